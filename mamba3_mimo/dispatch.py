@@ -1,0 +1,238 @@
+"""Shape dispatcher: picks the implementation and kernel configs for a bwd_fwd problem, and runs it.
+
+Rule (production, impl="chunked"): two kernels, `chunk_state` (serial over chunks, U chunks per
+step, grid over (b*h, N-pair blocks, P blocks)) then `chunk_output` (chunk-parallel). Block sizes
+grow until the grid has about four programs per SM, and every config is checked against the
+device's shared-memory limit per block (configs are tried from largest to smallest; the first
+whose compiled kernel fits wins). "stage0" is the baseline, never chosen by "auto".
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import triton
+
+from .kernels import chunk_output, chunk_state, stage0
+
+IMPLS = ("auto", "chunked", "stage0")
+_smem_override: Optional[int] = None
+_config_cache: Dict[tuple, dict] = {}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Model and problem dimensions of one call, after validation."""
+    B: int
+    S: int
+    H: int
+    G: int
+    N: int
+    P: int
+    R: int
+    C: int
+    RD: int
+    dtype: torch.dtype
+    has_z: bool
+    has_d: bool
+    output_dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `run` will launch: the implementation and each kernel's config."""
+    impl: str
+    state_cfg: Optional[dict] = None
+    output_cfg: Optional[dict] = None
+
+    def describe(self) -> str:
+        if self.impl == "stage0":
+            return "stage0 (rotary + qk_dot + serial scan per (b, h))"
+        s, o = self.state_cfg, self.output_cfg
+        return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
+                f"chunk_output BJ={o['BJ']} BP={o['BP']} CPP={o['CPP']})")
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(device: torch.device) -> None:
+    """Raise NotImplementedError for a device the kernels cannot run on."""
+    if device.type == "cpu":
+        if not interpreter_active():
+            raise NotImplementedError(
+                "mamba3_mimo_bwd_fwd on CPU tensors needs the Triton interpreter "
+                "(set TRITON_INTERPRET=1 before importing triton); use a CUDA device otherwise")
+        return
+    if device.type != "cuda":
+        raise NotImplementedError(f"device {device} is not supported; expected cuda (sm_80+)")
+    if interpreter_active():
+        raise NotImplementedError("TRITON_INTERPRET=1 is set: the interpreter runs CPU tensors only")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise NotImplementedError(
+            f"device {device} has compute capability {major}.{minor}; expected sm_80 or newer")
+
+
+@contextlib.contextmanager
+def smem_limit_override(limit_bytes: int) -> Iterator[None]:
+    """Pretend the device allows at most `limit_bytes` of shared memory per block (for tests of
+    small-shared-memory GPUs such as the RTX 4090); clears the config cache on entry and exit."""
+    global _smem_override
+    old, _smem_override = _smem_override, limit_bytes
+    _config_cache.clear()
+    try:
+        yield
+    finally:
+        _smem_override = old
+        _config_cache.clear()
+
+
+def smem_limit(device: torch.device) -> int:
+    if _smem_override is not None:
+        return _smem_override
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(x))
+
+
+def _meta(pb: Problem) -> dict:
+    TP = _pow2(pb.C, 1)
+    RP = _pow2(pb.R, 1)
+    TP = max(TP, 16 // RP)  # a chunk tile has at least 16 rows, the smallest dot size
+    if interpreter_active():
+        prec = exact = "ieee"
+    else:
+        # tf32 operands keep bf16/fp16 inputs far inside their thresholds; fp32 inputs and the
+        # 0/1 selection dots of the reductions need fp32 accuracy (3xTF32).
+        prec = "tf32x3" if pb.dtype == torch.float32 else "tf32"
+        exact = "tf32x3"
+    nc = triton.cdiv(pb.S, pb.C)
+    return dict(B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc, H=pb.H, G=pb.G, N=pb.N, P=pb.P, R=pb.R,
+                C=pb.C, RD=pb.RD, TP=TP, RP=RP, HAS_Z=pb.has_z, HAS_D=pb.has_d, PREC=prec,
+                EXACT=exact)
+
+
+def _state_candidates(pb: Problem, m: dict) -> List[dict]:
+    """chunk_state configs, preferred first; model dimensions only (never B or S, so a new batch
+    or length never recompiles)."""
+    half = pb.N // 2
+    return [dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4, BLOCK=512)
+            for BJ, BP in ((32, 64), (32, 32), (16, 16))]
+
+
+def _output_candidates(pb: Problem, m: dict) -> List[dict]:
+    """chunk_output configs, preferred first: all of P in one block (no recomputed scores)."""
+    half = pb.N // 2
+    out = []
+    for BP, BJ in ((32, 16 if half <= 16 else 32), (32, 16), (16, 16)):
+        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), CPP=1, num_warps=4,
+                   num_stages=1)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _fits(launch, a, out, m, cfg, limit) -> bool:
+    """Compile (without running) and compare the kernel's shared memory with the limit."""
+    try:
+        compiled = launch(a, out, m, cfg, warmup=True)
+    except triton.runtime.errors.OutOfResources:
+        return False
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    return compiled.metadata.shared <= limit
+
+
+def select(pb: Problem) -> Plan:
+    """The plan "auto" runs for this problem (configs before the shared-memory check)."""
+    m = _meta(pb)
+    return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0])
+
+
+def variants(pb: Problem) -> Dict[str, dict]:
+    """Production variants the benchmark may time besides "auto" (none yet)."""
+    return {}
+
+
+def _choose(launch, candidates, a, out, m, pb) -> dict:
+    """First candidate whose compiled kernel fits the shared-memory limit (cached per model)."""
+    if pb.device.type != "cuda":
+        return candidates[0]
+    limit = smem_limit(pb.device)
+    key = (launch.__module__, pb.N, pb.P, pb.R, pb.C, pb.RD, pb.dtype, pb.output_dtype,
+           pb.has_z, pb.has_d, pb.device, limit)
+    if key not in _config_cache:
+        fit = next((c for c in candidates if _fits(launch, a, out, m, c, limit)), None)
+        if fit is None:
+            raise RuntimeError(f"no config of {launch.__module__} fits in {limit} bytes of "
+                               "shared memory per block")
+        _config_cache[key] = fit
+    return _config_cache[key]
+
+
+def _prepare(args: dict, pb: Problem) -> dict:
+    """Contiguous small tensors, shared strides inside the (q, k) and (v, dout, z) families,
+    and placeholders for absent optional inputs (never read: their flags are off)."""
+    a = dict(args)
+    for name in ("q_bias", "k_bias", "mimo_v", "mimo_o", "mimo_z", "d", "da_cs", "da_cs_rev",
+                 "dt", "trap", "segsum"):
+        if a[name] is not None:
+            a[name] = a[name].contiguous()
+    if a["v"].stride() != a["dout"].stride() or (a["z"] is not None
+                                                 and a["z"].stride() != a["v"].stride()):
+        for name in ("v", "dout", "z"):
+            if a[name] is not None:
+                a[name] = a[name].contiguous()
+    dummy = torch.empty(1, device=pb.device, dtype=torch.float32)
+    for name in ("mimo_z", "d"):
+        if a[name] is None:
+            a[name] = dummy
+    if a["z"] is None:
+        a["z"] = a["v"]
+    return a
+
+
+def run(pb: Problem, args: dict, impl: str = "auto"):
+    """Allocate the outputs and run the chosen implementation on padded inputs `args`."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    m = _meta(pb)
+    a = _prepare(args, pb)
+    dev, odt = pb.device, pb.output_dtype
+    B, H, R, P = pb.B, pb.H, pb.R, pb.P
+    out = dict(
+        states=torch.empty(B, H, m["nc"], pb.N, P, device=dev, dtype=odt),
+        qk_dot=torch.empty(B, H, pb.S, R, R, device=dev, dtype=odt),
+        dz=torch.empty(B, pb.S, H, P, device=dev, dtype=odt) if pb.has_z else a["d"],
+    )
+    if impl == "stage0":
+        out["dmimo_o"] = torch.empty(B, H, R, P, device=dev, dtype=torch.float32)
+        out["dmimo_z"] = (torch.empty(B, H, R, P, device=dev, dtype=torch.float32)
+                          if pb.has_z else out["dmimo_o"])
+        stage0.launch(a, out, m)
+        dmimo_o, dmimo_z = out["dmimo_o"], out["dmimo_z"]
+    else:
+        out["inc"] = (out["states"] if odt == torch.float32 else
+                      torch.empty(out["states"].shape, device=dev, dtype=torch.float32))
+        s_cfg = _choose(chunk_state.launch, _state_candidates(pb, m), a, out, m, pb)
+        probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
+        o_cfg = _choose(chunk_output.launch, _output_candidates(pb, m), a, probe, m, pb)
+        chunk_state.launch(a, out, m, s_cfg)
+        groups = triton.cdiv(m["nc"], o_cfg["CPP"])
+        out["part_o"] = torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
+        out["part_z"] = (torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
+                         if pb.has_z else out["part_o"])
+        chunk_output.launch(a, out, m, o_cfg)
+        dmimo_o = out["part_o"].view(B, H, groups, R, P).sum(2)
+        dmimo_z = out["part_z"].view(B, H, groups, R, P).sum(2) if pb.has_z else None
+    return (out["states"], out["qk_dot"], dmimo_o, dmimo_z if pb.has_z else None,
+            out["dz"] if pb.has_z else None)

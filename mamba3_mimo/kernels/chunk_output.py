@@ -1,0 +1,115 @@
+"""Production output pass: raw_y of every chunk in parallel, then qk_dot, dz and the per-rank
+partial sums of dmimo_o / dmimo_z.
+
+Grid (B*H, chunk groups, P blocks); a program handles CPP consecutive chunks. For each chunk:
+scores = Qr Kr^T and inter = Qr states[c] accumulate over N-pair blocks, then
+raw_y = (scores * causal weights) psi_v + exp(da_cs) inter + D psi_v.
+"""
+import triton
+import triton.language as tl
+
+from .common import (chunk_rows, dot, gate_epilogue, intra_weights, load_psi_v, load_rotated,
+                     rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
+
+
+@triton.jit(do_not_specialize=["S", "S_pad", "nc", "n_groups", "sqb", "skb", "svb", "sab",
+                               "sgb"])
+def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, angles,
+                        da_cs, dt, trap, segsum, states, qk_dot, dz, part_o, part_z,
+                        S, S_pad, nc, n_groups, H, HG, sqb, sqs, sqr, sqg, sqn,
+                        skb, sks, skr, skg, skn, svb, svs, svh, svp, sab, sas, sah, san,
+                        sgb, sgh, sgc, R, N: tl.constexpr, P: tl.constexpr, C,
+                        TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
+                        RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
+                        CPP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+                        PREC: tl.constexpr, EXACT: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    pid_p = tl.program_id(2)
+    b, h = bh // H, bh % H
+    g = h // HG
+    t, r = chunk_rows(TP, RP)
+    rank_ok = (t < C) & (r < R)
+    RS: tl.constexpr = 16 if RP < 16 else RP
+    TS: tl.constexpr = 16 if TP < 16 else TP
+    tt = tl.arange(0, TS)
+    p = pid_p * BP + tl.arange(0, BP)
+    pm = p < P
+    pr = h * R * P + r[:, None] * P + p[None, :]
+    prm = rank_ok[:, None] & pm[None, :]
+    phi = tl.load(mimo_o + pr, mask=prm, other=0.0)
+    zeta = tl.zeros_like(phi)
+    if HAS_Z:
+        zeta = tl.load(mimo_z + pr, mask=prm, other=0.0)
+    d_h = 0.0
+    if HAS_D:
+        d_h = tl.load(d + h)
+    row = bh * S_pad
+    vb = v + b * svb + h * svh
+    acc_o = tl.zeros([RS, BP], dtype=tl.float32)
+    acc_z = tl.zeros([RS, BP], dtype=tl.float32)
+    for i in range(CPP):
+        c = grp * CPP + i
+        rows = rank_ok & (c < nc)
+        tg = c * C + t
+        t_ok = (tt < C) & (c < nc)
+        scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
+        inter = tl.zeros([TP * RP, BP], dtype=tl.float32)
+        st = states + (bh * nc + c) * N * P
+        for j0 in tl.static_range(0, HALF, BJ):
+            cos, sin = 0.0, 0.0
+            if j0 < RD:
+                cos, sin = rotary_cos_sin(angles + b * sab + h * sah, tg * sas, rows, j0, BJ, RD,
+                                          san)
+            q1, q2 = load_rotated(q + b * sqb + g * sqg, tg * sqs + r * sqr, rows,
+                                  q_bias + h * R * N, r * N, cos, sin, j0, BJ, HALF, sqn, j0 < RD)
+            k1, k2 = load_rotated(k + b * skb + g * skg, tg * sks + r * skr, rows,
+                                  k_bias + h * R * N, r * N, cos, sin, j0, BJ, HALF, skn, j0 < RD)
+            scores += dot(q1, tl.trans(k1), PREC) + dot(q2, tl.trans(k2), PREC)
+            j = j0 + tl.arange(0, BJ)
+            sm = (j < HALF)[:, None] & pm[None, :] & (c < nc)
+            s_off = j[:, None] * P + p[None, :]
+            st1 = tl.load(st + s_off, mask=sm, other=0.0).to(tl.float32)
+            st2 = tl.load(st + HALF * P + s_off, mask=sm, other=0.0).to(tl.float32)
+            inter += dot(q1, st1, PREC) + dot(q2, st2, PREC)
+        store_qk_dot(qk_dot + (bh * S + c * C) * R * R, scores, t, r,
+                     rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT)
+        gamma, trap_scale = trap_terms(dt + row, trap + row, tg, rows, S_pad)
+        w = intra_weights(segsum + b * sgb + h * sgh + c * sgc, t, t, rows, rows, C, gamma,
+                          trap_scale)
+        psi_v = load_psi_v(vb, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm, P, svp)
+        a_t = tl.load(da_cs + row + tg, mask=rows, other=0.0)
+        raw = dot(scores * w, psi_v, PREC) + tl.exp(a_t)[:, None] * inter
+        if HAS_D:
+            raw += d_h * psi_v
+        part_o_c, part_z_c = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
+                                           tg * svs, rows, phi, zeta, p, pm, svp,
+                                           dz + (b * S * H + h) * P, (c * C + tt) * H * P,
+                                           t_ok & (c * C + tt < S), TP, RP, HAS_Z, EXACT)
+        acc_o += part_o_c
+        acc_z += part_z_c
+    part = (bh * n_groups + grp) * R * P
+    store_rank_sums(part_o + part, part_z + part, acc_o, acc_z, R, p, pm, P, RS, HAS_Z)
+
+
+def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
+    """Write qk_dot, dz and the dmimo partial sums, reading the fp32 states from out["inc"]
+    (chunk_state's result); cfg holds BJ, BP, CPP, num_warps, num_stages.
+
+    out["part_o"], out["part_z"]: [B*H, n_groups, R, P] fp32 scratch, n_groups = cdiv(nc, CPP).
+    """
+    m = meta
+    B, H = m["B"], m["H"]
+    n_groups = triton.cdiv(m["nc"], cfg["CPP"])
+    grid = (B * H, n_groups, triton.cdiv(m["P"], cfg["BP"]))
+    seg = a["segsum"]
+    kernel = chunk_output_kernel.warmup if warmup else chunk_output_kernel[grid]
+    return kernel(
+        a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
+        a["mimo_o"], a["mimo_z"], a["d"], a["angles"], a["da_cs"], a["dt"], a["trap"], seg,
+        out["inc"], out["qk_dot"], out["dz"], out["part_o"], out["part_z"],
+        m["S"], m["S_pad"], m["nc"], n_groups, H, H // m["G"], *a["q"].stride(),
+        *a["k"].stride(), *a["v"].stride(), *a["angles"].stride(), seg.stride(0), seg.stride(1),
+        seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TP"], m["RP"], m["N"] // 2, m["RD"],
+        cfg["BJ"], cfg["BP"], cfg["CPP"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"grid": grid} if warmup else {}))

@@ -1,0 +1,94 @@
+"""Production state pass: states[c] = the state entering chunk c, for every chunk.
+
+Two kernels, as in mamba's ssd_chunk_state / ssd_state_passing: `chunk_increment_kernel` computes
+every chunk's increment k_w^T psi_v in parallel over (b*h, chunk, N-pair block, P block), and
+`state_passing_kernel` chains them, states[c] = states[c-1] exp(da_cs[end of c-1]) + inc[c-1],
+a serial loop of multiply-adds over [BLOCK] slices whose loads do not depend on the state.
+"""
+import triton
+import triton.language as tl
+
+from .common import chunk_rows, dot, load_psi_v, load_rotated, rotary_cos_sin, trap_terms
+
+
+@triton.jit(do_not_specialize=["S_pad", "nc", "skb", "svb", "sab"])
+def chunk_increment_kernel(k, v, k_bias, mimo_v, angles, da_cs_rev, dt, trap, inc,
+                           S_pad, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh, svp,
+                           sab, sas, sah, san, R, N: tl.constexpr, P: tl.constexpr, C,
+                           TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD,
+                           BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    """inc[b, h, c + 1] = sum_{t in chunk c} k_w[t]^T psi_v[t] with
+    k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1."""
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    j0 = (tl.program_id(2) % n_jb) * BJ
+    p = (tl.program_id(2) // n_jb) * BP + tl.arange(0, BP)
+    b, h = bh // H, bh % H
+    t, r = chunk_rows(TP, RP)
+    rows = (t < C) & (r < R)
+    tg = c * C + t
+    pm = p < P
+    row = bh * S_pad
+    cos, sin = rotary_cos_sin(angles + b * sab + h * sah, tg * sas, rows, j0, BJ, RD, san)
+    k1, k2 = load_rotated(k + b * skb + (h // HG) * skg, tg * sks + r * skr, rows,
+                          k_bias + h * R * N, r * N, cos, sin, j0, BJ, HALF, skn, True)
+    _, trap_scale = trap_terms(dt + row, trap + row, tg, rows, S_pad)
+    rev = tl.load(da_cs_rev + row + tg, mask=rows, other=0.0)
+    w = tl.where(rows, trap_scale * tl.exp(rev), 0.0)[:, None]
+    psi_v = load_psi_v(v + b * svb + h * svh, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm, P,
+                       svp)
+    j = j0 + tl.arange(0, BJ)
+    off = (bh * nc + c + 1) * N * P + j[:, None] * P + p[None, :]
+    m = (j < HALF)[:, None] & pm[None, :]
+    tl.store(inc + off, dot(tl.trans(k1 * w), psi_v, PREC), mask=m)
+    tl.store(inc + off + HALF * P, dot(tl.trans(k2 * w), psi_v, PREC), mask=m)
+
+
+@triton.jit(do_not_specialize=["S_pad", "nc"])
+def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, NP_SIZE: tl.constexpr,
+                         BLOCK: tl.constexpr, KEEP_FP32: tl.constexpr):
+    """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], states[0] = 0, on [BLOCK] slices.
+
+    inc may alias states (fp32 outputs): each slice is read before it is overwritten. With
+    KEEP_FP32 (narrower outputs) the fp32 state also replaces inc[c], so that chunk_output reads
+    the state at full precision."""
+    bh = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = e < NP_SIZE
+    base = bh * nc * NP_SIZE + e
+    running = tl.zeros([BLOCK], dtype=tl.float32)
+    tl.store(states + base, running.to(states.dtype.element_ty), mask=m)
+    if KEEP_FP32:
+        tl.store(inc + base, running, mask=m)
+    for c in range(1, nc):
+        x = tl.load(inc + base + c * NP_SIZE, mask=m, other=0.0)
+        decay = tl.exp(tl.load(da_cs + bh * S_pad + c * C - 1))
+        running = running * decay + x
+        tl.store(states + base + c * NP_SIZE, running.to(states.dtype.element_ty), mask=m)
+        if KEEP_FP32:
+            tl.store(inc + base + c * NP_SIZE, running, mask=m)
+
+
+def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
+    """Write out["states"] through the fp32 increments out["inc"] (may be out["states"]); after
+    it, out["inc"] holds the fp32 states.
+
+    cfg: BJ, BP, num_warps for the increments; BLOCK for the state passing.
+    """
+    m = meta
+    B, H, N, P = m["B"], m["H"], m["N"], m["P"]
+    half = N // 2
+    n_jb = triton.cdiv(half, cfg["BJ"])
+    grid = (B * H, max(m["nc"] - 1, 0), n_jb * triton.cdiv(P, cfg["BP"]))
+    args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], a["angles"], a["da_cs_rev"], a["dt"],
+            a["trap"], out["inc"], m["S_pad"], m["nc"], H, H // m["G"], n_jb, *a["k"].stride(),
+            *a["v"].stride(), *a["angles"].stride(), m["R"], N, P, m["C"], m["TP"], m["RP"], half,
+            m["RD"], cfg["BJ"], cfg["BP"], m["PREC"])
+    if warmup:
+        return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
+    if grid[1] > 0:
+        chunk_increment_kernel[grid](*args, num_warps=cfg["num_warps"])
+    pgrid = (B * H, triton.cdiv(N * P, cfg["BLOCK"]))
+    state_passing_kernel[pgrid](out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"],
+                                m["C"], N * P, cfg["BLOCK"],
+                                out["inc"].data_ptr() != out["states"].data_ptr(), num_warps=4)

@@ -1,0 +1,176 @@
+"""Shared @triton.jit pieces of the bwd_fwd math, used by the stage-0 and production kernels.
+
+Rows of a chunk tile are (time, rank) pairs flattened as row = t * RP + r, with TP >= C and
+RP >= R padded to powers of two; padded rows are masked to zero on load.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, PREC: tl.constexpr):
+    """fp32-accumulated dot of fp32 operands at the chosen input precision (ieee / tf32 / tf32x3)."""
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def chunk_rows(TP: tl.constexpr, RP: tl.constexpr):
+    """(step-in-chunk t, rank r) of each row of a chunk tile."""
+    row = tl.arange(0, TP * RP)
+    return row // RP, row % RP
+
+
+@triton.jit
+def trap_terms(dt_ptr, trap_ptr, t, t_mask, S_pad):
+    """gamma[t] = dt[t] sigmoid(trap[t]); trap_scale[t] = gamma[t] + dt[t+1] sigmoid(-trap[t+1]).
+
+    dt_ptr/trap_ptr point at the (b, h) row; the second term is 0 at the last padded step.
+    """
+    dt_t = tl.load(dt_ptr + t, mask=t_mask, other=0.0)
+    tr_t = tl.load(trap_ptr + t, mask=t_mask, other=0.0).to(tl.float32)
+    nxt_mask = t_mask & (t + 1 < S_pad)
+    dt_n = tl.load(dt_ptr + t + 1, mask=nxt_mask, other=0.0)
+    tr_n = tl.load(trap_ptr + t + 1, mask=nxt_mask, other=0.0).to(tl.float32)
+    gamma = dt_t * tl.sigmoid(tr_t)
+    return gamma, gamma + dt_n * tl.sigmoid(-tr_n)
+
+
+@triton.jit
+def rotary_cos_sin(ang_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD, stride_an):
+    """cos/sin [rows, BJ] of the angles of pair columns j0..j0+BJ at each row's step (t_off:
+    offsets of the rows' steps into angles). Pairs >= RD are not rotated: cos = 1, sin = 0."""
+    j = j0 + tl.arange(0, BJ)
+    m = row_mask[:, None] & (j < RD)[None, :]
+    a = tl.load(ang_ptr + t_off[:, None] + j[None, :] * stride_an, mask=m, other=0.0)
+    return tl.cos(a), tl.sin(a)
+
+
+@triton.jit
+def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
+                 HALF, stride_n, ROTATE: tl.constexpr):
+    """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles.
+
+    rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j].
+    ROTATE=False skips the rotation for blocks that hold no rotated pair.
+    """
+    j = j0 + tl.arange(0, BJ)
+    m = row_mask[:, None] & (j < HALF)[None, :]
+    c1 = j[None, :] * stride_n
+    c2 = (HALF + j)[None, :] * stride_n
+    x1 = tl.load(x_ptr + row_off[:, None] + c1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + row_off[:, None] + c2, mask=m, other=0.0).to(tl.float32)
+    x1 += tl.load(bias_ptr + bias_off[:, None] + j[None, :], mask=m, other=0.0)
+    x2 += tl.load(bias_ptr + bias_off[:, None] + (HALF + j)[None, :], mask=m, other=0.0)
+    if ROTATE:
+        return cos * x1 - sin * x2, sin * x1 + cos * x2
+    return x1, x2
+
+
+@triton.jit
+def intra_weights(seg_ptr, t_row, t_col, mask_row, mask_col, C, gamma_row, trap_scale_col):
+    """Causal weight of row (t, r) on column (t', r'): exp(segsum[t, t']) trap_scale[t'] for t' < t,
+    gamma[t] on the same step, 0 after. seg_ptr points at the chunk's [C, C] segsum block."""
+    before = (t_col[None, :] < t_row[:, None]) & mask_row[:, None] & mask_col[None, :]
+    seg = tl.load(seg_ptr + t_row[:, None] * C + t_col[None, :], mask=before, other=0.0)
+    w = tl.where(before, tl.exp(seg) * trap_scale_col[None, :], 0.0)
+    same = (t_col[None, :] == t_row[:, None]) & mask_row[:, None] & mask_col[None, :]
+    return tl.where(same, gamma_row[:, None] + tl.zeros_like(w), w)
+
+
+@triton.jit
+def gate_grads(raw, dout, phi, z, zeta, HAS_Z: tl.constexpr):
+    """Per-element terms of (dmimo_o, dmimo_z, dz) for out = sum_r Phi * silu(z * Zeta) * raw.
+
+    Returns dout*gate*raw, dout*Phi*raw*silu'(u)*z and dout*Phi*raw*silu'(u)*Zeta (the last two
+    are zeros when HAS_Z is False); the caller reduces them over time or rank.
+    """
+    if HAS_Z:
+        u = z * zeta
+        sg = tl.sigmoid(u)
+        g = dout * phi * raw * (sg * (1.0 + u * (1.0 - sg)))
+        return dout * (u * sg) * raw, g * z, g * zeta
+    zero = tl.zeros_like(raw)
+    return dout * raw, zero, zero
+
+
+@triton.jit
+def load_psi_v(v_ptr, t_off, row_mask, mimo_v_ptr, r, R, p, p_mask, P, stride_vp):
+    """psi_v[(t, r), p] = v[t, p] * mimo_v[r, p] as an fp32 [rows, BP] tile.
+
+    v_ptr points at the (b, h) slice of v; t_off are the time offsets of the rows;
+    mimo_v_ptr at the head's [R, P] block (contiguous).
+    """
+    m = row_mask[:, None] & p_mask[None, :]
+    x = tl.load(v_ptr + t_off[:, None] + p[None, :] * stride_vp, mask=m, other=0.0)
+    psi = tl.load(mimo_v_ptr + r[:, None] * P + p[None, :], mask=m, other=0.0)
+    return x.to(tl.float32) * psi
+
+
+@triton.jit
+def select(ROWS: tl.constexpr, M: tl.constexpr, RP: tl.constexpr, BY_RANK: tl.constexpr):
+    """0/1 matrix [M, ROWS] picking, for output row i, the chunk rows of rank i (BY_RANK) or of
+    step i. Reductions over time or rank are dots with it: dots keep Triton's layouts simple
+    where reshapes of (time, rank) would not."""
+    row = tl.arange(0, ROWS)[None, :]
+    key = row % RP if BY_RANK else row // RP
+    return (tl.arange(0, M)[:, None] == key).to(tl.float32)
+
+
+@triton.jit
+def store_qk_dot(qk_ptr, scores, t, r, row_ok, R, RP: tl.constexpr, ROWS: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """qk_dot[t, r, r'] = scores[(t, r), (t, r')]: the same-step blocks of a chunk's Q K^T.
+
+    qk_ptr points at the chunk's first step in the contiguous [S, R, R] output; (t, r) are the
+    rows' step-in-chunk and rank and row_ok says which rows are stored.
+    """
+    RS: tl.constexpr = 16 if RP < 16 else RP
+    same = t[:, None] == t[None, :]
+    qk = tl.dot(tl.where(same, scores, 0.0), tl.trans(select(ROWS, RS, RP, True)),
+                input_precision=EXACT)  # [ROWS, RS]
+    r2 = tl.arange(0, RS)[None, :]
+    off = (t[:, None] * R + r[:, None]) * R + r2
+    tl.store(qk_ptr + off, qk.to(qk_ptr.dtype.element_ty), mask=row_ok[:, None] & (r2 < R))
+
+
+@triton.jit
+def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, stride_p,
+                  dz_ptr, t_time_off, t_time_mask, TP: tl.constexpr, RP: tl.constexpr,
+                  HAS_Z: tl.constexpr, EXACT: tl.constexpr):
+    """Reduce-O gradients of one chunk tile: stores dz and returns the per-rank partial sums.
+
+    raw/phi/zeta: [TP * RP, BP] fp32. dout_ptr, z_ptr, dz_ptr point at the (b, h) slices of
+    [B, S, H, P] tensors (t_off: the rows' step offsets in dout/z; t_time_off [max(TP, 16)]:
+    the chunk's step offsets in the contiguous dz). Returns (sum_t dout*gate*raw,
+    sum_t dout*Phi*raw*silu'(u)*z), each [max(RP, 16), BP] with rank on the rows.
+    """
+    ROWS: tl.constexpr = TP * RP
+    m = row_mask[:, None] & p_mask[None, :]
+    off = t_off[:, None] + p[None, :] * stride_p
+    dout = tl.load(dout_ptr + off, mask=m, other=0.0).to(tl.float32)
+    z = tl.zeros_like(raw)
+    if HAS_Z:
+        z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
+    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z)
+    RS: tl.constexpr = 16 if RP < 16 else RP
+    by_rank = select(ROWS, RS, RP, True)
+    if HAS_Z:
+        TS: tl.constexpr = 16 if TP < 16 else TP
+        dz = tl.dot(select(ROWS, TS, RP, False), g_dz, input_precision=EXACT)
+        dm = t_time_mask[:, None] & p_mask[None, :]
+        tl.store(dz_ptr + t_time_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty),
+                 mask=dm)
+    return (tl.dot(by_rank, g_o, input_precision=EXACT),
+            tl.dot(by_rank, g_z, input_precision=EXACT))
+
+
+@triton.jit
+def store_rank_sums(o_ptr, z_ptr, acc_o, acc_z, R, p, p_mask, P, RS: tl.constexpr,
+                    HAS_Z: tl.constexpr):
+    """Store [RS, BP] per-rank sums (rank on the rows) into the [R, P] blocks at o_ptr/z_ptr."""
+    r = tl.arange(0, RS)
+    m = (r < R)[:, None] & p_mask[None, :]
+    off = r[:, None] * P + p[None, :]
+    tl.store(o_ptr + off, acc_o, mask=m)
+    if HAS_Z:
+        tl.store(z_ptr + off, acc_z, mask=m)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The one script run on the H200 through the device tool: GPU tests and/or the benchmark.
+# Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all] [extra bench options]
+# Writes at most 7 files: $OUT/env.txt, tests.log, junit.xml, bench.log and
+# $OUT/bench/results.{json,md,png}. Nothing is installed: the package runs from the tree
+# (PYTHONPATH), with the machine's python3, torch and triton.
+set -o pipefail
+
+part="${1:-all}"
+[ $# -gt 0 ] && shift
+case "$part" in
+  tests|bench|all) ;;
+  *) echo "usage: OUT=DIR $0 [tests|bench|all] [bench options]" >&2; exit 2 ;;
+esac
+if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
+  echo "OUT must name an existing folder (got '${OUT:-}')" >&2
+  exit 2
+fi
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+
+{
+  nvidia-smi -L
+  "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0]);
+print("torch", torch.__version__, "cuda", torch.version.cuda); print("triton", triton.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+
+status=0
+if [ "$part" != bench ]; then
+  MAMBA3_FULL_GRID=1 "$PY" -m pytest -q tests --junitxml="$OUT/junit.xml" 2>&1 \
+    | tee "$OUT/tests.log" || status=$?
+fi
+if [ "$part" != tests ]; then
+  # A fresh Triton cache, so that the first-call times include compilation.
+  TRITON_CACHE_DIR="$(mktemp -d)" "$PY" -m mamba3_mimo.bench --out "$OUT/bench" "$@" 2>&1 \
+    | tee "$OUT/bench.log" || status=$?
+fi
+exit "$status"

@@ -1,0 +1,69 @@
+"""Development profile for the H200: median time of chunk_state and chunk_output alone, per
+config, on a few official shapes (bf16 inputs, Z on, bf16 outputs)."""
+import itertools
+import json
+import os
+import sys
+
+import torch
+import triton
+
+from mamba3_mimo import api, dispatch
+from mamba3_mimo.inputs import official_shapes, make_inputs
+from mamba3_mimo.kernels import chunk_output, chunk_state
+
+
+def bench(fn):
+    k = fn()
+    info = ""
+    if hasattr(k, "n_regs"):
+        info = f" regs={k.n_regs} spills={k.n_spills} smem={k.metadata.shared}"
+    ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return f"{ms:.4f}{info}"
+
+
+def main():
+    names = sys.argv[1].split(",")
+    state_cfgs = json.loads(sys.argv[2])
+    out_cfgs = json.loads(sys.argv[3])
+    res = []
+    for s in official_shapes():
+        if s.name not in names:
+            continue
+        a = make_inputs(s, torch.bfloat16, device="cuda", seed=1)
+        a.pop("adt")
+        pb = api._validate(*[a[k] for k in ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v",
+                                              "mimo_o", "angles", "da_cs", "da_cs_rev", "dt",
+                                              "trap", "segsum", "mimo_z", "d", "z")],
+                           s.C, 4, torch.bfloat16)
+        m = dispatch._meta(pb)
+        p = dispatch._prepare(a, pb)
+        out = dict(states=torch.empty(s.B, s.H, m["nc"], s.N, s.P, device="cuda",
+                                      dtype=torch.bfloat16),
+                   qk_dot=torch.empty(s.B, s.H, s.S, s.R, s.R, device="cuda", dtype=torch.bfloat16),
+                   dz=torch.empty_like(a["v"]),
+                   inc=torch.empty(s.B, s.H, m["nc"], s.N, s.P, device="cuda"),
+                   part_o=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"),
+                   part_z=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"))
+        total = bench(lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"))
+        print(s.name, "total", total, dispatch.select(pb).describe(), flush=True)
+        for cfg in state_cfgs:
+            try:
+                ms = bench(lambda: chunk_state.launch(p, out, m, cfg))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                ms = repr(e)[:80]
+            res.append(dict(shape=s.name, kernel="state", cfg=cfg, ms=ms))
+            print(s.name, "state", cfg, ms, flush=True)
+        for cfg in out_cfgs:
+            try:
+                ms = bench(lambda: chunk_output.launch(p, out, m, cfg))
+            except Exception as e:  # noqa: BLE001
+                ms = repr(e)[:80]
+            res.append(dict(shape=s.name, kernel="output", cfg=cfg, ms=ms))
+            print(s.name, "output", cfg, ms, flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The operator against the float64 golden: pairwise grid, official shapes, sequence tails and a
+sweep over R, N, P and rotary_dim_divisor. The pairwise grid and the tails run every impl."""
+import itertools
+import os
+
+import pytest
+import torch
+
+from conftest import (DEVICE, DTYPE_IDS, IMPLS, ON_GPU, check_outputs, op_args, problem,
+                      run_op, seed_for)
+from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
+from mamba3_mimo.reference import bwd_fwd_reference, decay_pieces
+
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+
+
+# ---------------------------------------------------------------------------- pairwise grid
+
+PAIRWISE_FACTORS = {
+    "B": (1, 2),
+    "S": (32, 64),
+    "H": (2, 4),
+    "dtype": (FP16, BF16, FP32),
+    "z_gate": (False, True),
+    "d_skip": (False, True),
+    "G": (1, 2),
+}
+
+
+def _pairs_of(row: dict, names):
+    return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+
+
+def all_pairs(factors: dict) -> list:
+    """A deterministic all-pairs covering array, in-parameter-order (IPOG) style.
+
+    Factors are taken most levels first; the first two give the full product. Each further
+    factor gets, over the existing rows, the column of values that covers most of its uncovered
+    pairs (exhaustive over columns, so for small grids only; the first column wins ties); pairs
+    still uncovered fill a free slot of an added row or add a row. Free slots left at the end
+    take the factor's first value.
+    """
+    names = sorted(factors, key=lambda n: -len(factors[n]))
+    a, b = names[:2]
+    rows = [{a: va, b: vb} for va in factors[a] for vb in factors[b]]
+    for i, name in enumerate(names[2:], 2):
+        prev = names[:i]
+        assert len(factors[name]) ** len(rows) <= 1 << 16, "grid too large for this generator"
+        want = {(p, vp, v) for p in prev for vp in factors[p] for v in factors[name]}
+
+        def covered(column):
+            return {(p, r[p], v) for r, v in zip(rows, column) for p in prev if r[p] is not None}
+
+        best = max(itertools.product(factors[name], repeat=len(rows)),
+                   key=lambda column: len(covered(column) & want))
+        for r, v in zip(rows, best):
+            r[name] = v
+        for p, vp, v in sorted(want - covered(best), key=lambda t: (
+                prev.index(t[0]), factors[t[0]].index(t[1]), factors[name].index(t[2]))):
+            free = [r for r in rows if r[name] == v and r[p] is None]
+            if free:
+                free[0][p] = vp
+            else:
+                rows.append({**{q: None for q in prev}, p: vp, name: v})
+    return [{n: factors[n][0] if r[n] is None else r[n] for n in factors} for r in rows]
+
+
+PAIRWISE = all_pairs(PAIRWISE_FACTORS)
+PAIRWISE_MODEL = dict(N=32, P=32, R=2, C=16)
+
+
+def _row_id(r):
+    return (f"B{r['B']}_S{r['S']}_H{r['H']}_G{r['G']}_{DTYPE_IDS[r['dtype']]}"
+            f"_z{int(r['z_gate'])}_d{int(r['d_skip'])}")
+
+
+def test_pairwise_grid_covers_all_pairs():
+    names = list(PAIRWISE_FACTORS)
+    want = {((a, va), (b, vb)) for a, b in itertools.combinations(names, 2)
+            for va in PAIRWISE_FACTORS[a] for vb in PAIRWISE_FACTORS[b]}
+    got = set().union(*(_pairs_of(r, names) for r in PAIRWISE))
+    assert got == want
+    full = 1
+    for values in PAIRWISE_FACTORS.values():
+        full *= len(values)
+    assert len(PAIRWISE) < full / 4, f"{len(PAIRWISE)} rows: not much of a pairwise design"
+    assert PAIRWISE == all_pairs(PAIRWISE_FACTORS), "the generator must be deterministic"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("row", PAIRWISE, ids=_row_id)
+def test_pairwise(row, impl):
+    shape = Shape(row["B"], row["S"], row["H"], row["G"], **PAIRWISE_MODEL)
+    args, golden, bench = problem(shape, row["dtype"], row["z_gate"], row["d_skip"])
+    check_outputs(run_op(args, impl), golden, bench, row["dtype"])
+
+
+# ---------------------------------------------------------------------------- official shapes
+
+QUICK_NAMES = ("N16_P64_R4_C8", "N256_P64_R4_C8", "N64_P128_R4_C16", "N128_P64_R2_C32",
+               "N128_P64_R1_C64")
+
+
+def _official(names=None):
+    if ON_GPU:
+        shapes = official_shapes(B=4, S=2048, H=16, G=1)
+    else:  # keep N, P, R, C; two chunks of one (b, h) pair so the interpreter finishes
+        shapes = [Shape(1, 2 * s.C, 1, 1, s.N, s.P, s.R, s.C) for s in official_shapes()]
+    return [s for s in shapes if names is None or s.name in names]
+
+
+@pytest.mark.parametrize("z_gate", [True, False], ids=["z", "noz"])
+@pytest.mark.parametrize("shape", _official(QUICK_NAMES), ids=lambda s: s.name)
+def test_official_quick(shape, z_gate):
+    """Five official shapes (full size on a GPU, cut B, S, H on the interpreter), bf16 like the
+    benchmark."""
+    args, golden, bench = problem(shape, BF16, z_gate, True)
+    check_outputs(run_op(args), golden, bench, BF16)
+
+
+@pytest.mark.skipif(os.environ.get("MAMBA3_FULL_GRID") != "1" or not ON_GPU,
+                    reason="all eleven official shapes at full size: set MAMBA3_FULL_GRID=1, GPU")
+@pytest.mark.parametrize("z_gate", [True, False], ids=["z", "noz"])
+@pytest.mark.parametrize("shape", _official(), ids=lambda s: s.name)
+def test_official_full(shape, z_gate):
+    args, golden, bench = problem(shape, BF16, z_gate, True)
+    check_outputs(run_op(args), golden, bench, BF16)
+    problem.cache_clear()  # full-size goldens are large
+
+
+# ---------------------------------------------------------------------------- tails
+
+TAIL_DTYPE = {33: FP32, 40: BF16, 48: FP16, 50: FP32}  # one dtype per S keeps the product small
+
+
+def pad_to_chunks(inputs: dict, C: int) -> dict:
+    """The caller's padding of SPEC section 4, built independently of the package: sequence
+    inputs get zeros, adt gets zeros (so da_cs keeps its last valid value), and da_cs, da_cs_rev,
+    segsum are rebuilt for whole chunks."""
+    S = inputs["q"].shape[1]
+    pad = -S % C
+    out = dict(inputs)
+    for name in ("dout", "q", "k", "v", "angles", "z"):
+        x = inputs[name]
+        if x is not None:
+            out[name] = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1)
+    for name in ("dt", "trap", "adt"):
+        out[name] = torch.nn.functional.pad(inputs[name], (0, pad))
+    out["da_cs"], out["da_cs_rev"], out["segsum"] = decay_pieces(out["adt"], C)
+    return out
+
+
+def _assert_valid_part_equal(a, b, S: int):
+    """Outputs of a run on caller-padded input (a) vs the plain run (b): equal to fp32 rounding on
+    the valid steps."""
+    names = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
+    seq_axis = {"qk_dot": 2, "dz": 1}
+    for name, x, y in zip(names, a, b):
+        if y is None:
+            assert x is None
+            continue
+        if name in seq_axis:
+            x = x.narrow(seq_axis[name], 0, S)
+        assert x.shape == y.shape, name
+        scale = y.double().abs().max().item()
+        diff = (x.double() - y.double()).abs().max().item()
+        assert diff <= 1e-5 * scale, f"{name}: padded-by-caller run differs by {diff:.3e} " \
+                                     f"(max |value| {scale:.3e})"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("C", [16, 32])
+@pytest.mark.parametrize("S", sorted(TAIL_DTYPE))
+def test_tail(S, C, impl):
+    """S not a multiple of C: against the reference on the unpadded input (it handles a partial
+    chunk natively), and against a run on the caller-padded input."""
+    dtype = TAIL_DTYPE[S]
+    shape = Shape(1, S, 2, 1, 16, 16, 2, C)
+    inputs = make_inputs(shape, dtype, True, True, device=DEVICE, seed=seed_for(shape, dtype))
+    args = op_args(inputs)
+    golden = bwd_fwd_reference(**args, dtype=torch.float64)
+    bench = bwd_fwd_reference(**args, dtype=torch.float32)
+    outs = run_op(args, impl)
+    check_outputs(outs, golden, bench, dtype)
+    if S % C:
+        padded = op_args(pad_to_chunks(inputs, C))
+        _assert_valid_part_equal(run_op(padded, impl), outs, S)
+
+
+# ---------------------------------------------------------------------------- sweep
+
+def _sweep_shapes():
+    """Every R, N, P and rotary_dim_divisor value (not their product), G = H, and many chunks
+    (a chunk count that is no multiple of the kernels' chunk grouping, with a partial last one)."""
+    shapes = [Shape(1, 32, 2, 1, 16, 16, R, 16) for R in (1, 2, 3, 4, 8)]
+    shapes += [Shape(1, 32, 2, 2, 64, 16, 2, 16, rotary_dim_divisor=rdd) for rdd in (2, 4)]
+    shapes += [Shape(1, 16, 1, 1, 16, 16, 2, 8, rotary_dim_divisor=2)]
+    shapes += [Shape(1, 16, 1, 1, 256, 16, 2, 8), Shape(1, 16, 1, 1, 256, 128, 2, 8)]
+    shapes += [Shape(1, 16, 1, 1, 16, P, 2, 8) for P in (64, 128)]
+    shapes += [Shape(1, 32, 4, 4, 16, 16, 2, 16)]
+    shapes += [Shape(1, 197, 3, 1, 16, 16, 2, 8), Shape(1, 100, 2, 1, 16, 16, 1, 4)]
+    return shapes
+
+
+def _shape_id(s):
+    return f"{s.name}_rdd{s.rotary_dim_divisor}_B{s.B}_S{s.S}_H{s.H}_G{s.G}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", _sweep_shapes(), ids=_shape_id)
+def test_sweep(shape, impl):
+    dtype = BF16
+    args, golden, bench = problem(shape, dtype, True, True)
+    check_outputs(run_op(args, impl), golden, bench, dtype)
+
+
+# ---------------------------------------------------------------------------- dtypes of outputs
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,output_dtype,trap_dtype", [
+    (BF16, BF16, None), (FP16, FP16, FP32), (FP32, BF16, None), (BF16, FP32, FP32)],
+    ids=["bf16-out_bf16", "fp16-out_fp16-trap_fp32", "fp32-out_bf16", "bf16-trap_fp32"])
+def test_output_and_trap_dtypes(dtype, output_dtype, trap_dtype, impl):
+    """output_dtype sets states, qk_dot, dz; trap may come in fp32 or the input dtype."""
+    shape = Shape(1, 40, 2, 1, 16, 16, 2, 16)
+    args, golden, bench = problem(shape, dtype, True, True, trap_dtype=trap_dtype)
+    outs = run_op(args, impl, output_dtype=output_dtype)
+    check_outputs(outs, golden, bench, dtype, output_dtype)
