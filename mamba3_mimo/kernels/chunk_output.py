@@ -13,7 +13,7 @@ from .common import (chunk_rows, dot, gate_epilogue, intra_weights, load_psi_v, 
 
 
 @triton.jit(do_not_specialize=["S", "S_pad", "nc", "n_groups", "sqb", "skb", "svb", "sab",
-                               "sgb"])
+                               "sgb", "sgh"])
 def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, angles,
                         da_cs, dt, trap, segsum, states, qk_dot, dz, part_o, part_z,
                         S, S_pad, nc, n_groups, H, HG, sqb, sqs, sqr, sqg, sqn,

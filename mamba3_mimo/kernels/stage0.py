@@ -12,7 +12,8 @@ from .common import (chunk_rows, dot, gate_epilogue, intra_weights, load_psi_v, 
                      rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
 
 
-@triton.jit
+# Lengths and batch strides are not specialised on, so a new B or S never recompiles.
+@triton.jit(do_not_specialize=["S_pad", "sxb", "sab"])
 def _rotary_kernel(x, bias, angles, out, S_pad, H, HG, sxb, sxs, sxr, sxg, sxn, sab, sas, sah,
                    san, R, N: tl.constexpr, C, TP: tl.constexpr, RP: tl.constexpr,
                    HALF: tl.constexpr, RD: tl.constexpr, BJ: tl.constexpr):
@@ -41,7 +42,7 @@ def _load_rotated_scratch(ptr, bh, tg, r, rows, S_pad, R, N: tl.constexpr, NP: t
     return tl.load(ptr + o[:, None] + n[None, :], mask=rows[:, None] & (n < N)[None, :], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "S_pad"])
 def _qk_dot_kernel(qr, kr, qk_dot, S, S_pad, R, N: tl.constexpr, C, TP: tl.constexpr,
                    RP: tl.constexpr, NP: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr):
     """qk_dot of one chunk from the rotated scratch."""
@@ -55,7 +56,7 @@ def _qk_dot_kernel(qr, kr, qk_dot, S, S_pad, R, N: tl.constexpr, C, TP: tl.const
                  rows & (c * C + t < S), R, RP, TP * RP, EXACT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "S_pad", "nc", "svb", "sgb", "sgh"])
 def _scan_kernel(qr, kr, v, dout, z, mimo_v, mimo_o, mimo_z, d, da_cs, da_cs_rev, dt, trap,
                  segsum, states, dz, dmimo_o, dmimo_z, S, S_pad, nc, H, svb, svs, svh, svp,
                  sgb, sgh, sgc, R, N: tl.constexpr, P: tl.constexpr, C, TP: tl.constexpr,
