@@ -1,10 +1,12 @@
 """Shape dispatcher: picks the implementation and kernel configs for a bwd_fwd problem, and runs it.
 
-Rule (production, impl="chunked"): two kernels, `chunk_state` (serial over chunks, U chunks per
-step, grid over (b*h, N-pair blocks, P blocks)) then `chunk_output` (chunk-parallel). Block sizes
-grow until the grid has about four programs per SM, and every config is checked against the
-device's shared-memory limit per block (configs are tried from largest to smallest; the first
-whose compiled kernel fits wins). "stage0" is the baseline, never chosen by "auto".
+Rule: "auto" runs the production path, "chunked": chunk_increment_kernel (chunk-parallel state
+increments), state_passing_kernel (serial multiply-add over chunks) and chunk_output_kernel
+(chunk-parallel outputs). Configs depend only on model dimensions (N, P, R, C, dtypes, flags),
+never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
+configs, largest first; the first whose compiled kernel fits the device's shared memory per block
+(shared_memory_per_block_optin, or `smem_limit_override`) is used and cached. "stage0" is the
+baseline, never chosen by "auto".
 """
 from __future__ import annotations
 
@@ -130,7 +132,8 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
-    """chunk_output configs, preferred first: all of P in one block (no recomputed scores)."""
+    """chunk_output configs, preferred first: 32-column P blocks (the scores are recomputed per P
+    block, which costs less than the register pressure of wider blocks; see docs/optimisation.md)."""
     half = pb.N // 2
     out = []
     for BP, BJ in ((32, 16 if half <= 16 else 32), (32, 16), (16, 16)):

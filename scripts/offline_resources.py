@@ -1,0 +1,78 @@
+"""Compile the kernels of one bwd_fwd call for sm_90 on a machine without a GPU and print each
+kernel's registers, spills and shared memory (ptxas through cuobjdump), to study register
+pressure without device time.  Usage: python scripts/offline_resources.py B S H G N P R C [impl]"""
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from mamba3_mimo import api, dispatch
+from mamba3_mimo.inputs import Shape, make_inputs
+
+_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+
+
+def _compile(self, *args, grid, warmup, **kwargs):
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = inspect.signature(self.fn).bind(*args, **kwargs)
+    sig, const = {}, {}
+    for i, (name, val) in enumerate(bound.arguments.items()):
+        if i in self.constexprs:
+            sig[name] = "constexpr"
+            const[name] = val
+        elif isinstance(val, torch.Tensor):
+            sig[name] = "*" + _TY[val.dtype]
+        elif isinstance(val, bool):
+            sig[name] = "i1"
+        elif isinstance(val, int):
+            sig[name] = "i64" if abs(val) >= 2 ** 31 else "i32"
+        else:
+            sig[name] = "fp32"
+    k = triton.compile(ASTSource(self, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True).stdout
+    line = [x for x in res.splitlines() if "REG:" in x][0].strip()
+    print(f"{self.fn.__name__:28s} warps={opts.get('num_warps')} {line} "
+          f"shared(meta)={k.metadata.shared}")
+    return k
+
+
+def main():
+    dims = [int(x) for x in sys.argv[1:9]]
+    impl = sys.argv[9] if len(sys.argv) > 9 else "chunked"
+    JITFunction.run = _compile
+    dispatch.check_device = lambda device: None
+    s = Shape(*dims)
+    a = make_inputs(s, torch.bfloat16, seed=0)
+    a.pop("adt")
+    api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl=impl)
+
+
+if __name__ == "__main__":
+    main()
+
+
+def sweep(dims, state_cfgs, output_cfgs):
+    """Print resources for each (state, output) config pair on one shape."""
+    JITFunction.run = _compile
+    dispatch.check_device = lambda device: None
+    s = Shape(*dims)
+    a = make_inputs(s, torch.bfloat16, seed=0)
+    a.pop("adt")
+    for sc, oc in zip(state_cfgs, output_cfgs):
+        print("state", sc, "output", oc)
+        dispatch._state_candidates = lambda pb, m, sc=sc: [sc]
+        dispatch._output_candidates = lambda pb, m, oc=oc: [oc]
+        api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
