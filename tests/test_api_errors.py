@@ -52,7 +52,7 @@ def test_wrong_shape(good, name, dim):
     _expect(ValueError, {**good, name: bad}, TENSORS if name in DEFINING else [name])
 
 
-def _wrong_dtype(name, x):
+def _wrong_dtype(name):
     """A dtype the argument does not accept: q must be fp16/bf16/fp32, the input-dtype family must
     match q (fp16 here), the fp32 parameters must be fp32, trap fp32 or q's dtype."""
     return {"q": torch.float64, "k": torch.bfloat16, "v": torch.float32, "dout": torch.bfloat16,
@@ -61,9 +61,7 @@ def _wrong_dtype(name, x):
 
 @pytest.mark.parametrize("name", TENSORS)
 def test_wrong_dtype(good, name):
-    x = good[name]
-    bad = x.to(_wrong_dtype(name, x))
-    _expect(TypeError, {**good, name: bad}, [name])
+    _expect(TypeError, {**good, name: good[name].to(_wrong_dtype(name))}, [name])
 
 
 def test_integer_q(good):

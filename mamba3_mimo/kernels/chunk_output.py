@@ -8,8 +8,8 @@ raw_y = (scores * causal weights) psi_v + exp(da_cs) inter + D psi_v.
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, dot, gate_epilogue, intra_weights, load_psi_v, load_rotated,
-                     rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
+from .common import (chunk_rows, dot, gate_epilogue, head_params, intra_weights, load_psi_v,
+                     load_rotated, rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
 
 
 @triton.jit(do_not_specialize=["S", "S_pad", "nc", "n_groups", "sqb", "skb", "svb", "sab",
@@ -35,15 +35,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     tt = tl.arange(0, TS)
     p = pid_p * BP + tl.arange(0, BP)
     pm = p < P
-    pr = h * R * P + r[:, None] * P + p[None, :]
-    prm = rank_ok[:, None] & pm[None, :]
-    phi = tl.load(mimo_o + pr, mask=prm, other=0.0)
-    zeta = tl.zeros_like(phi)
-    if HAS_Z:
-        zeta = tl.load(mimo_z + pr, mask=prm, other=0.0)
-    d_h = 0.0
-    if HAS_D:
-        d_h = tl.load(d + h)
+    phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rank_ok, p, pm, R, P, HAS_Z, HAS_D)
     row = bh * S_pad
     vb = v + b * svb + h * svh
     acc_o = tl.zeros([RS, BP], dtype=tl.float32)

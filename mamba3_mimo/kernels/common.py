@@ -67,6 +67,23 @@ def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ:
 
 
 @triton.jit
+def head_params(mimo_o, mimo_z, d, h, r, row_ok, p, p_mask, R, P, HAS_Z: tl.constexpr,
+                HAS_D: tl.constexpr):
+    """Phi and Zeta of head h as [rows, BP] tiles (rank of each row; Zeta = 0 without Z) and D[h]
+    (0 without D)."""
+    off = h * R * P + r[:, None] * P + p[None, :]
+    m = row_ok[:, None] & p_mask[None, :]
+    phi = tl.load(mimo_o + off, mask=m, other=0.0)
+    zeta = tl.zeros_like(phi)
+    if HAS_Z:
+        zeta = tl.load(mimo_z + off, mask=m, other=0.0)
+    d_h = 0.0
+    if HAS_D:
+        d_h = tl.load(d + h)
+    return phi, zeta, d_h
+
+
+@triton.jit
 def intra_weights(seg_ptr, t_row, t_col, mask_row, mask_col, C, gamma_row, trap_scale_col):
     """Causal weight of row (t, r) on column (t', r'): exp(segsum[t, t']) trap_scale[t'] for t' < t,
     gamma[t] on the same step, 0 after. seg_ptr points at the chunk's [C, C] segsum block."""

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, dot, gate_epilogue, intra_weights, load_psi_v, load_rotated,
-                     rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
+from .common import (chunk_rows, dot, gate_epilogue, head_params, intra_weights, load_psi_v,
+                     load_rotated, rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
 
 
 # Lengths and batch strides are not specialised on, so a new B or S never recompiles.
@@ -73,15 +73,7 @@ def _scan_kernel(qr, kr, v, dout, z, mimo_v, mimo_o, mimo_z, d, da_cs, da_cs_rev
     p = tl.program_id(1) * PP + tl.arange(0, PP)
     pm = p < P
     n = tl.arange(0, NP)
-    pr = h * R * P + r[:, None] * P + p[None, :]
-    prm = rows[:, None] & pm[None, :]
-    phi = tl.load(mimo_o + pr, mask=prm, other=0.0)
-    zeta = tl.zeros_like(phi)
-    if HAS_Z:
-        zeta = tl.load(mimo_z + pr, mask=prm, other=0.0)
-    d_h = 0.0
-    if HAS_D:
-        d_h = tl.load(d + h)
+    phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rows, p, pm, R, P, HAS_Z, HAS_D)
     state = tl.zeros([NP, PP], dtype=tl.float32)
     acc_o = tl.zeros([RS, PP], dtype=tl.float32)
     acc_z = tl.zeros([RS, PP], dtype=tl.float32)
@@ -144,4 +136,5 @@ def launch(a: dict, out: dict, meta: dict) -> None:
         a["d"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], seg, out["states"], out["dz"],
         out["dmimo_o"], out["dmimo_z"], m["S"], S_pad, m["nc"], H, *v.stride(), seg.stride(0),
         seg.stride(1), seg.stride(2), R, N, m["P"], m["C"], m["TP"], m["RP"], NP, PP,
-        m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"], num_warps=8)
+        m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"], num_warps=8,
+        num_stages=1)  # a pipelined chunk loop multi-buffers the [rows, N] fp32 tiles
