@@ -1,7 +1,7 @@
 """GPU benchmark of bwd_fwd following shared/BENCHMARK.md: `python -m mamba3_mimo.bench`.
 
-Times the stage0 baseline, the chunked production path, the dispatcher ("auto") and any extra
-variants the dispatcher lists, interleaved in one process over several rounds, on the official
+Times the stage0 baseline, the chunked production path and the dispatcher ("auto"),
+interleaved in one process over several rounds, on the official
 grid plus a B=8 control shape, Z gate on and off, bf16 and fp32 outputs. Compares with the
 upstream TileLang anchor and with the HBM floor; writes results.json, results.md and results.png.
 """
@@ -183,9 +183,7 @@ def bench_config(cfg: Config, rounds: int, with_stage0: bool,
     args["output_dtype"] = cfg.out
     problem = problem_of(args)
     plan = dispatch.select(problem).describe()
-    extra = dispatch.variants(problem) if hasattr(dispatch, "variants") else {}
-    extra = {n: v for n, v in extra.items() if n not in CANDIDATES}
-    names = [c for c in CANDIDATES if with_stage0 or c != "stage0"] + list(extra)
+    names = [c for c in CANDIDATES if with_stage0 or c != "stage0"]
     fns = {n: functools.partial(api.bwd_fwd, **args, impl=n) for n in names}
     errors: Dict[str, str] = {}
     bar.set_description(f"{cfg.label} Z={'on' if cfg.z else 'off'} {DTYPE_NAMES[cfg.out]}")
@@ -206,7 +204,7 @@ def bench_config(cfg: Config, rounds: int, with_stage0: bool,
     return [dict(shape=s.name, label=cfg.label, control=cfg.control, B=s.B, S=s.S, H=s.H, G=s.G,
                  N=s.N, P=s.P, R=s.R, C=s.C, z=cfg.z, d_skip=True, input_dtype="bf16",
                  output_dtype=DTYPE_NAMES[cfg.out], candidate=n,
-                 plan=plan if n == "auto" else None, variant=extra.get(n),
+                 plan=plan if n == "auto" else None,
                  first_call_s=first[n], ms_rounds=times[n], median_ms=median[n],
                  error=errors.get(n), hbm_bytes=hbm_bytes(s, cfg.out, cfg.z), floor_ms=floor,
                  upstream_ms=up,

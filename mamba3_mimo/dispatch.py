@@ -161,11 +161,6 @@ def select(pb: Problem) -> Plan:
     return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0])
 
 
-def variants(pb: Problem) -> Dict[str, dict]:
-    """Production variants the benchmark may time besides "auto" (none yet)."""
-    return {}
-
-
 def _choose(launch, candidates, a, out, m, pb) -> dict:
     """First candidate whose compiled kernel fits the shared-memory limit (cached per model)."""
     if pb.device.type != "cuda":

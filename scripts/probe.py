@@ -8,7 +8,7 @@ import time
 import torch
 import triton
 
-from mamba3_mimo import api, dispatch, reference
+from mamba3_mimo import api, reference
 from mamba3_mimo.inputs import official_shapes, make_inputs
 
 

@@ -1,6 +1,5 @@
 """Development profile for the H200: median time of chunk_state and chunk_output alone, per
 config, on a few official shapes (bf16 inputs, Z on, bf16 outputs)."""
-import itertools
 import json
 import os
 import sys
