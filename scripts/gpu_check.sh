@@ -29,15 +29,24 @@ print("torch", torch.__version__, "cuda", torch.version.cuda); print("triton", t
 status=0
 if [ "$part" != bench ]; then
   # One process per test file: a CUDA fault poisons its process's context, and would otherwise
-  # fail every later test of the run with the same error.
+  # fail every later test of the run with the same error. The files run side by side (their
+  # time is mostly compilation, on the CPU); the logs are joined in file order afterwards.
+  pids=()
   for f in tests/test_*.py; do
-    MAMBA3_FULL_GRID=1 "$PY" -m pytest -q "$f" -p no:cacheprovider 2>&1 \
-      | tee -a "$OUT/tests.log" || status=$?
+    MAMBA3_FULL_GRID=1 timeout "${TEST_TIMEOUT:-900}" "$PY" -m pytest -q "$f" -p no:cacheprovider \
+      > "$OUT/tests.$(basename "$f" .py).log" 2>&1 &
+    pids+=($!)
   done
+  for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+  for f in tests/test_*.py; do
+    log="$OUT/tests.$(basename "$f" .py).log"
+    { echo "=== $f"; cat "$log"; } >> "$OUT/tests.log" && rm -f "$log"
+  done
+  grep -E "^=== |passed|failed|error" "$OUT/tests.log"
 fi
 if [ "$part" != tests ]; then
   # A fresh Triton cache, so that the first-call times include compilation.
-  TRITON_CACHE_DIR="$(mktemp -d)" "$PY" -m mamba3_mimo.bench --out "$OUT/bench" "$@" 2>&1 \
+  TRITON_CACHE_DIR="$(mktemp -d)" timeout "${BENCH_TIMEOUT:-3000}" "$PY" -m mamba3_mimo.bench --out "$OUT/bench" "$@" 2>&1 \
     | tee "$OUT/bench.log" || status=$?
 fi
 exit "$status"

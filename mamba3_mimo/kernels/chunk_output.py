@@ -8,8 +8,29 @@ raw_y = (scores * causal weights) psi_v + exp(da_cs) inter + D psi_v.
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, dot, gate_epilogue, head_params, intra_weights, load_psi_v,
+from .common import (chunk_rows, dot, mac, gate_epilogue, head_params, intra_weights, load_psi_v,
                      load_rotated, rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
+
+
+@triton.jit
+def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, ang_ptr, a_off, rows, qb_ptr, kb_ptr,
+                bias_off, st, p, pm, j0, HALF, RD, sqn, skn, san, P, BJ: tl.constexpr,
+                ROTATE: tl.constexpr, PREC: tl.constexpr):
+    """scores += Qr Kr^T and inter += Qr states over the pair columns j0..j0+BJ."""
+    cos, sin = 0.0, 0.0
+    if ROTATE:
+        cos, sin = rotary_cos_sin(ang_ptr, a_off, rows, j0, BJ, RD, san)
+    q1, q2 = load_rotated(q_ptr, q_off, rows, qb_ptr, bias_off, cos, sin, j0, BJ, HALF, sqn,
+                          ROTATE)
+    k1, k2 = load_rotated(k_ptr, k_off, rows, kb_ptr, bias_off, cos, sin, j0, BJ, HALF, skn,
+                          ROTATE)
+    scores = mac(mac(scores, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
+    j = j0 + tl.arange(0, BJ)
+    sm = (j < HALF)[:, None] & pm[None, :]
+    s_off = j[:, None] * P + p[None, :]
+    st1 = tl.load(st + s_off, mask=sm, other=0.0)
+    st2 = tl.load(st + HALF * P + s_off, mask=sm, other=0.0)
+    return scores, mac(mac(inter, q1, st1, PREC), q2, st2, PREC)
 
 
 @triton.jit(do_not_specialize=["S", "S_pad", "nc", "n_groups", "sqb", "skb", "svb", "sab",
@@ -21,7 +42,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         sgb, sgh, sgc, R, N: tl.constexpr, P: tl.constexpr, C,
                         TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                        CPP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+                        CPP: tl.constexpr, UNROLL: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1).to(tl.int64)
@@ -32,10 +53,10 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     rank_ok = (t < C) & (r < R)
     RS: tl.constexpr = 16 if RP < 16 else RP
     TS: tl.constexpr = 16 if TP < 16 else TP
+    RD_END: tl.constexpr = (RD + BJ - 1) // BJ * BJ
     tt = tl.arange(0, TS)
     p = pid_p * BP + tl.arange(0, BP)
     pm = p < P
-    phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rank_ok, p, pm, R, P, HAS_Z, HAS_D)
     row = bh * S_pad
     vb = v + b * svb + h * svh
     acc_o = tl.zeros([RS, BP], dtype=tl.float32)
@@ -48,22 +69,23 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
         inter = tl.zeros([TP * RP, BP], dtype=tl.float32)
         st = states + (bh * nc + c) * N * P
-        for j0 in tl.static_range(0, HALF, BJ):
-            cos, sin = 0.0, 0.0
-            if j0 < RD:
-                cos, sin = rotary_cos_sin(angles + b * sab + h * sah, tg * sas, rows, j0, BJ, RD,
-                                          san)
-            q1, q2 = load_rotated(q + b * sqb + g * sqg, tg * sqs + r * sqr, rows,
-                                  q_bias + h * R * N, r * N, cos, sin, j0, BJ, HALF, sqn, j0 < RD)
-            k1, k2 = load_rotated(k + b * skb + g * skg, tg * sks + r * skr, rows,
-                                  k_bias + h * R * N, r * N, cos, sin, j0, BJ, HALF, skn, j0 < RD)
-            scores += dot(q1, tl.trans(k1), PREC) + dot(q2, tl.trans(k2), PREC)
-            j = j0 + tl.arange(0, BJ)
-            sm = (j < HALF)[:, None] & pm[None, :] & (c < nc)
-            s_off = j[:, None] * P + p[None, :]
-            st1 = tl.load(st + s_off, mask=sm, other=0.0).to(tl.float32)
-            st2 = tl.load(st + HALF * P + s_off, mask=sm, other=0.0).to(tl.float32)
-            inter += dot(q1, st1, PREC) + dot(q2, st2, PREC)
+        qx, q_off = q + b * sqb + g * sqg, tg * sqs + r * sqr
+        kx, k_off = k + b * skb + g * skg, tg * sks + r * skr
+        ax, a_off = angles + b * sab + h * sah, tg * sas
+        if UNROLL:  # every block's loads issued together: fewer waits, more registers
+            for j0 in tl.static_range(0, HALF, BJ):
+                scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
+                                            q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
+                                            pm, j0, HALF, RD, sqn, skn, san, P, BJ, j0 < RD, PREC)
+        else:  # a loop at run time, software-pipelined by num_stages; rotated blocks first
+            for j0 in range(0, RD_END, BJ):
+                scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
+                                            q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
+                                            pm, j0, HALF, RD, sqn, skn, san, P, BJ, True, PREC)
+            for j0 in range(RD_END, HALF, BJ):
+                scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
+                                            q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
+                                            pm, j0, HALF, RD, sqn, skn, san, P, BJ, False, PREC)
         store_qk_dot(qk_dot + (bh * S + c * C) * R * R, scores, t, r,
                      rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT)
         gamma, trap_scale = trap_terms(dt + row, trap + row, tg, rows, S_pad)
@@ -72,6 +94,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         psi_v = load_psi_v(vb, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm, P, svp)
         a_t = tl.load(da_cs + row + tg, mask=rows, other=0.0)
         raw = dot(scores * w, psi_v, PREC) + tl.exp(a_t)[:, None] * inter
+        # Phi and Zeta are loaded only now: live through the N loop they cost registers
+        phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rank_ok, p, pm, R, P, HAS_Z, HAS_D)
         if HAS_D:
             raw += d_h * psi_v
         part_o_c, part_z_c = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
@@ -86,7 +110,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write qk_dot, dz and the dmimo partial sums, reading the fp32 states from out["inc"]
-    (chunk_state's result); cfg holds BJ, BP, CPP, num_warps, num_stages.
+    (chunk_state's result); cfg holds BJ, BP, CPP, UNROLL, num_warps, num_stages.
 
     out["part_o"], out["part_z"]: [B*H, n_groups, R, P] fp32 scratch, n_groups = cdiv(nc, CPP).
     """
@@ -103,5 +127,5 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         m["S"], m["S_pad"], m["nc"], n_groups, H, H // m["G"], *a["q"].stride(),
         *a["k"].stride(), *a["v"].stride(), *a["angles"].stride(), seg.stride(0), seg.stride(1),
         seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TP"], m["RP"], m["N"] // 2, m["RD"],
-        cfg["BJ"], cfg["BP"], cfg["CPP"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
+        cfg["BJ"], cfg["BP"], cfg["CPP"], cfg["UNROLL"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"grid": grid} if warmup else {}))

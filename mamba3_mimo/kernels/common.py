@@ -14,6 +14,13 @@ def dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def mac(acc, a, b, PREC: tl.constexpr):
+    """acc + a @ b accumulated in place: the sum of two separate dots would give each its own
+    register layout and force conversions of the fp32 accumulator through shared memory."""
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
 def chunk_rows(TP: tl.constexpr, RP: tl.constexpr):
     """(step-in-chunk t, rank r) of each row of a chunk tile."""
     row = tl.arange(0, TP * RP)
