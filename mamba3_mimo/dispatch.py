@@ -56,9 +56,7 @@ class Plan:
             return "stage0 (rotary + qk_dot + serial scan per (b, h))"
         s, o = self.state_cfg, self.output_cfg
         return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
-                f"chunk_output BJ={o['BJ']} BP={o['BP']} "
-                f"{'unrolled' if o['UNROLL'] else 'pipelined x' + str(o['num_stages'])} "
-                f"{o['num_warps']} warps)")
+                f"chunk_output BJ={o['BJ']} BP={o['BP']} CPP={o['CPP']})")
 
 
 def interpreter_active() -> bool:
@@ -135,21 +133,16 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
-    """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md step 3).
-
-    N <= 128 and P <= 64: the N-pair loop unrolled (every block's loads in flight together),
-    64-column P blocks, 16-pair blocks up to N = 64 and 32 beyond, 4 warps. Larger N or P: the
-    unrolled loop spills, so a run-time loop software-pipelined over 2 stages, 16-pair and
-    64-column blocks, 8 warps. Narrower fallbacks follow for small shared memory.
-    """
+    """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md step 3):
+    64-column P blocks (fewer programs, no recomputed scores), 16-pair N blocks up to N = 64 and
+    for N > 128 or P > 64 (32-pair blocks spill there), 32-pair blocks otherwise, 4 warps.
+    Narrower fallbacks follow for GPUs with less shared memory."""
     half = pb.N // 2
-    unrolled = pb.N <= 128 and pb.P <= 64
-    first = (dict(BJ=16 if pb.N <= 64 else 32, BP=64, UNROLL=True, num_warps=4, num_stages=1)
-             if unrolled else dict(BJ=16, BP=64, UNROLL=False, num_warps=8, num_stages=2))
+    bj = 32 if 64 < pb.N <= 128 and pb.P <= 64 else 16
     out = []
-    for cfg in (first, dict(BJ=16, BP=32, UNROLL=False, num_warps=4, num_stages=2),
-                dict(BJ=16, BP=16, UNROLL=False, num_warps=4, num_stages=1)):
-        cfg = dict(cfg, BJ=min(cfg["BJ"], _pow2(half)), BP=min(cfg["BP"], _pow2(pb.P)), CPP=1)
+    for BJ, BP in ((bj, 64), (16, 32), (16, 16)):
+        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), CPP=1, num_warps=4,
+                   num_stages=1)
         if cfg not in out:
             out.append(cfg)
     return out

@@ -42,7 +42,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         sgb, sgh, sgc, R, N: tl.constexpr, P: tl.constexpr, C,
                         TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                        CPP: tl.constexpr, UNROLL: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+                        CPP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1).to(tl.int64)
@@ -53,7 +53,6 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     rank_ok = (t < C) & (r < R)
     RS: tl.constexpr = 16 if RP < 16 else RP
     TS: tl.constexpr = 16 if TP < 16 else TP
-    RD_END: tl.constexpr = (RD + BJ - 1) // BJ * BJ
     tt = tl.arange(0, TS)
     p = pid_p * BP + tl.arange(0, BP)
     pm = p < P
@@ -72,20 +71,12 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         qx, q_off = q + b * sqb + g * sqg, tg * sqs + r * sqr
         kx, k_off = k + b * skb + g * skg, tg * sks + r * skr
         ax, a_off = angles + b * sab + h * sah, tg * sas
-        if UNROLL:  # every block's loads issued together: fewer waits, more registers
-            for j0 in tl.static_range(0, HALF, BJ):
-                scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
-                                            q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
-                                            pm, j0, HALF, RD, sqn, skn, san, P, BJ, j0 < RD, PREC)
-        else:  # a loop at run time, software-pipelined by num_stages; rotated blocks first
-            for j0 in range(0, RD_END, BJ):
-                scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
-                                            q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
-                                            pm, j0, HALF, RD, sqn, skn, san, P, BJ, True, PREC)
-            for j0 in range(RD_END, HALF, BJ):
-                scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
-                                            q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
-                                            pm, j0, HALF, RD, sqn, skn, san, P, BJ, False, PREC)
+        # Unrolled: the loads of every pair block are issued together, so the program waits
+        # for memory about once instead of once per block (docs/optimisation.md, step 3).
+        for j0 in tl.static_range(0, HALF, BJ):
+            scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
+                                        q_bias + h * R * N, k_bias + h * R * N, r * N, st, p, pm,
+                                        j0, HALF, RD, sqn, skn, san, P, BJ, j0 < RD, PREC)
         store_qk_dot(qk_dot + (bh * S + c * C) * R * R, scores, t, r,
                      rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT)
         gamma, trap_scale = trap_terms(dt + row, trap + row, tg, rows, S_pad)
@@ -110,7 +101,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write qk_dot, dz and the dmimo partial sums, reading the fp32 states from out["inc"]
-    (chunk_state's result); cfg holds BJ, BP, CPP, UNROLL, num_warps, num_stages.
+    (chunk_state's result); cfg holds BJ, BP, CPP, num_warps, num_stages.
 
     out["part_o"], out["part_z"]: [B*H, n_groups, R, P] fp32 scratch, n_groups = cdiv(nc, CPP).
     """
@@ -127,5 +118,5 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         m["S"], m["S_pad"], m["nc"], n_groups, H, H // m["G"], *a["q"].stride(),
         *a["k"].stride(), *a["v"].stride(), *a["angles"].stride(), seg.stride(0), seg.stride(1),
         seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TP"], m["RP"], m["N"] // 2, m["RD"],
-        cfg["BJ"], cfg["BP"], cfg["CPP"], cfg["UNROLL"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
+        cfg["BJ"], cfg["BP"], cfg["CPP"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"grid": grid} if warmup else {}))
