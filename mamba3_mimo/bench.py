@@ -175,7 +175,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def bench_config(cfg: Config, rounds: int, with_stage0: bool,
-                 upstream: Dict[Tuple[str, bool], float], bar) -> List[dict]:
+                 upstream: Dict[Tuple[str, bool], float], bar, rep_ms: int = 100) -> List[dict]:
     """Warm up then time every candidate on one config, interleaved over `rounds`; one row each."""
     from triton.testing import do_bench
     args = make_inputs(cfg.shape, torch.bfloat16, z_gate=cfg.z, d_skip=True, device="cuda")
@@ -193,7 +193,8 @@ def bench_config(cfg: Config, rounds: int, with_stage0: bool,
     for _ in range(rounds):
         for n in names:
             if n not in errors:
-                ms = _attempt(errors, n, functools.partial(do_bench, fns[n], return_mode="median"))
+                ms = _attempt(errors, n, functools.partial(do_bench, fns[n], rep=rep_ms,
+                                                              return_mode="median"))
                 times[n] += [] if ms is None else [ms]
         bar.update()
     median = {n: statistics.median(t) if t and n not in errors else None
@@ -344,6 +345,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="folder for results.json, results.md, results.png (default bench/results)")
     p.add_argument("--quick", action="store_true", help="bf16 output only, Z on and off, 1 round")
     p.add_argument("--no-stage0", action="store_true", help="skip the stage0 baseline")
+    p.add_argument("--rep-ms", type=int, default=100,
+                   help="do_bench's timing window per candidate and round, ms (default 100, "
+                        "Triton's default; 25 fits the whole grid in a few minutes)")
     p.add_argument("--upstream", type=Path, default=DEFAULT_UPSTREAM,
                    help="upstream anchor JSON (default bench/upstream_tilelang_h200.json)")
     return p.parse_args(argv)
@@ -362,9 +366,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     upstream = load_upstream(opts.upstream)
     meta = run_meta()
     bar = progress(len(cfgs) * (rounds + 1))
-    rows = [row for cfg in cfgs
-            for row in bench_config(cfg, rounds, not opts.no_stage0, upstream, bar)]
+    rows: List[dict] = []
+    partial = opts.out / "partial.jsonl"  # one line per row as it comes: survives a cut run
+    opts.out.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+    for cfg in cfgs:
+        new = bench_config(cfg, rounds, not opts.no_stage0, upstream, bar, opts.rep_ms)
+        rows += new
+        with partial.open("a") as f:
+            f.writelines(json.dumps({**meta, **r}, default=str) + "\n" for r in new)
     bar.close()
+    partial.unlink()
     print(report([{**meta, **r} for r in rows], meta, rounds, opts.out))
     return 0
 
