@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script run on the H200 through the device tool: GPU tests and/or the benchmark.
 # Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all] [extra bench options]
-# Writes at most 6 files: $OUT/env.txt, tests.log, bench.log and
+# Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
 # $OUT/bench/results.{json,md,png}. Nothing is installed: the package runs from the tree
 # (PYTHONPATH), with the machine's python3, torch and triton.
 set -o pipefail
@@ -43,6 +43,8 @@ if [ "$part" != bench ]; then
     { echo "=== $f"; cat "$log"; } >> "$OUT/tests.log" && rm -f "$log"
   done
   grep -E "^=== |passed|failed|error" "$OUT/tests.log"
+  # The README's main job, on its GPU branch (an official shape, compiled kernels).
+  "$PY" -m mamba3_mimo demo 2>&1 | tee "$OUT/demo.log" || status=$?
 fi
 if [ "$part" != tests ]; then
   # A fresh Triton cache, so that the first-call times include compilation.
