@@ -105,7 +105,11 @@ def configs(shape_filter: Optional[str], outs: Sequence[torch.dtype]) -> List[Co
 
 
 def git_commit() -> str:
-    """HEAD of the repository (with -dirty), else $MAMBA3_GIT_COMMIT, else 'unknown'."""
+    """$MAMBA3_GIT_COMMIT when set (on a machine that got a copy of the tree its .git may be
+    stale: the caller names the commit), else HEAD of the repository with -dirty, else
+    'unknown'."""
+    if os.environ.get("MAMBA3_GIT_COMMIT"):
+        return os.environ["MAMBA3_GIT_COMMIT"]
     try:
         run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True,
                                 check=True)
@@ -113,7 +117,7 @@ def git_commit() -> str:
         dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MAMBA3_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def run_meta() -> dict:

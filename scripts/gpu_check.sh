@@ -3,7 +3,8 @@
 # Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all] [extra bench options]
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
 # $OUT/bench/results.{json,md,png}. Nothing is installed: the package runs from the tree
-# (PYTHONPATH), with the machine's python3, torch and triton.
+# (PYTHONPATH), with the machine's python3, torch and triton. The device machine's copy of .git
+# can be stale: pass the commit, MAMBA3_GIT_COMMIT=<hash>, for the benchmark's records.
 set -o pipefail
 
 part="${1:-all}"
