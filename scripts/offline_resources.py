@@ -60,10 +60,6 @@ def main():
     api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl=impl)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def sweep(dims, state_cfgs, output_cfgs):
     """Print resources for each (state, output) config pair on one shape."""
     JITFunction.run = _compile
@@ -76,3 +72,7 @@ def sweep(dims, state_cfgs, output_cfgs):
         dispatch._state_candidates = lambda pb, m, sc=sc: [sc]
         dispatch._output_candidates = lambda pb, m, oc=oc: [oc]
         api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
+
+
+if __name__ == "__main__":
+    main()

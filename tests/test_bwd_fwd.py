@@ -227,3 +227,23 @@ def test_output_and_trap_dtypes(dtype, output_dtype, trap_dtype, impl):
     args, golden, bench = problem(shape, dtype, True, True, trap_dtype=trap_dtype)
     outs = run_op(args, impl, output_dtype=output_dtype)
     check_outputs(outs, golden, bench, dtype, output_dtype)
+
+
+# ---------------------------------------------------------------------------- chunk groups
+
+
+def test_chunk_groups_with_a_partial_last_group(monkeypatch):
+    """chunk_output with CPP = 3 chunks per program over 5 chunks: the last group holds chunks
+    past the end, which must load and write nothing (the dispatcher itself picks CPP = 1)."""
+    from mamba3_mimo import dispatch
+    base = dispatch._output_candidates
+
+    def grouped(pb, m):
+        return [dict(cfg, CPP=3) for cfg in base(pb, m)]
+
+    monkeypatch.setattr(dispatch, "_output_candidates", grouped)
+    dispatch._config_cache.clear()
+    shape = Shape(1, 80, 2, 1, 16, 16, 2, 16)
+    args, golden, bench = problem(shape, FP32, True, True)
+    check_outputs(run_op(args, "chunked"), golden, bench, FP32)
+    dispatch._config_cache.clear()

@@ -16,7 +16,8 @@ from .common import (chunk_rows, dot, mac, gate_epilogue, head_params, intra_wei
 def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, ang_ptr, a_off, rows, qb_ptr, kb_ptr,
                 bias_off, st, p, pm, j0, HALF, RD, sqn, skn, san, P, BJ: tl.constexpr,
                 ROTATE: tl.constexpr, PREC: tl.constexpr):
-    """scores += Qr Kr^T and inter += Qr states over the pair columns j0..j0+BJ."""
+    """scores += Qr Kr^T and inter += Qr states over the pair columns j0..j0+BJ; pm says which
+    state columns to load (none for a chunk past the end, which a group of CPP chunks can hold)."""
     cos, sin = 0.0, 0.0
     if ROTATE:
         cos, sin = rotary_cos_sin(ang_ptr, a_off, rows, j0, BJ, RD, san)
@@ -75,8 +76,9 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         # for memory about once instead of once per block (docs/optimisation.md, step 3).
         for j0 in tl.static_range(0, HALF, BJ):
             scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
-                                        q_bias + h * R * N, k_bias + h * R * N, r * N, st, p, pm,
-                                        j0, HALF, RD, sqn, skn, san, P, BJ, j0 < RD, PREC)
+                                        q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
+                                        pm & (c < nc), j0, HALF, RD, sqn, skn, san, P, BJ,
+                                        j0 < RD, PREC)
         store_qk_dot(qk_dot + (bh * S + c * C) * R * R, scores, t, r,
                      rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT)
         gamma, trap_scale = trap_terms(dt + row, trap + row, tg, rows, S_pad)
