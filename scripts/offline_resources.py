@@ -1,6 +1,7 @@
 """Compile the kernels of one bwd_fwd call for sm_90 on a machine without a GPU and print each
 kernel's registers, spills and shared memory (ptxas through cuobjdump), to study register
-pressure without device time.  Usage: python scripts/offline_resources.py B S H G N P R C [impl]"""
+pressure without device time. Integer arguments are specialised as the JIT does (1 becomes a
+constant, multiples of 16 are marked), so that the layouts match a GPU build.  Usage: python scripts/offline_resources.py B S H G N P R C [impl]"""
 import inspect
 import os
 import subprocess
@@ -23,20 +24,31 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/
 def _compile(self, *args, grid, warmup, **kwargs):
     opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = inspect.signature(self.fn).bind(*args, **kwargs)
-    sig, const = {}, {}
+    sig, const, attrs = {}, {}, {}
+    dns = set(self.do_not_specialize) | {self.arg_names[i] for i in self.do_not_specialize
+                                         if isinstance(i, int)}
     for i, (name, val) in enumerate(bound.arguments.items()):
         if i in self.constexprs:
             sig[name] = "constexpr"
             const[name] = val
         elif isinstance(val, torch.Tensor):
             sig[name] = "*" + _TY[val.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as the JIT does for 16-byte aligned data
         elif isinstance(val, bool):
             sig[name] = "i1"
         elif isinstance(val, int):
+            # as the JIT specialises: an integer equal to 1 becomes a constant (e.g. a unit
+            # stride, which decides whether loads vectorise), one divisible by 16 says so
+            if val == 1 and name not in dns:
+                sig[name] = "constexpr"
+                const[name] = 1
+                continue
             sig[name] = "i64" if abs(val) >= 2 ** 31 else "i32"
+            if val % 16 == 0 and name not in dns:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"
-    k = triton.compile(ASTSource(self, sig, const), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(ASTSource(self, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options=opts)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
