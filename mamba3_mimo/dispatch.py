@@ -18,11 +18,10 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import triton
 
-from .kernels import block_scan, chunk_output, chunk_state, stage0
+from .kernels import chunk_output, chunk_state, stage0
 
-IMPLS = ("auto", "blocked", "chunked", "stage0")
+IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
-_block_override: Dict[str, int] = {}
 _config_cache: Dict[tuple, dict] = {}
 
 
@@ -51,15 +50,10 @@ class Plan:
     impl: str
     state_cfg: Optional[dict] = None
     output_cfg: Optional[dict] = None
-    block_cfg: Optional[dict] = None
 
     def describe(self) -> str:
         if self.impl == "stage0":
             return "stage0 (rotary + qk_dot + serial scan per (b, h))"
-        if self.impl == "blocked":
-            c = self.block_cfg
-            return (f"blocked (block_scan K={c['K']} chunks per block, BP={c['BP']}, "
-                    f"{c['num_warps']} warps)")
         s, o = self.state_cfg, self.output_cfg
         return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
                 f"chunk_output BJ={o['BJ']} BP={o['BP']} CPP={o['CPP']})")
@@ -99,20 +93,6 @@ def smem_limit_override(limit_bytes: int) -> Iterator[None]:
         yield
     finally:
         _smem_override = old
-        _config_cache.clear()
-
-
-@contextlib.contextmanager
-def block_config_override(**fields: int) -> Iterator[None]:
-    """Replace fields of every block_scan candidate config (tests use K=3 so that small problems
-    span several blocks); clears the config cache on entry and exit."""
-    global _block_override
-    old, _block_override = _block_override, dict(fields)
-    _config_cache.clear()
-    try:
-        yield
-    finally:
-        _block_override = old
         _config_cache.clear()
 
 
@@ -168,34 +148,21 @@ def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     return out
 
 
-def _block_candidates(pb: Problem, m: dict) -> List[dict]:
-    """block_scan configs, preferred first: blocks of about 128 steps (K chunks), the whole P up
-    to 64 columns per program, 8 warps; narrower P blocks for large states and small GPUs."""
-    K = max(1, 128 // pb.C)
-    out = []
-    for BP in ((64, 32, 16) if pb.N <= 128 else (32, 16)):
-        cfg = {**dict(K=K, BP=min(BP, _pow2(pb.P)), num_warps=8, num_stages=1),
-               **_block_override}
-        if cfg not in out:
-            out.append(cfg)
-    return out
-
-
 def _fits(launch, a, out, m, cfg, limit) -> bool:
-    """Compile (without running) and compare the kernels' shared memory with the limit."""
+    """Compile (without running) and compare the kernel's shared memory with the limit."""
     try:
         compiled = launch(a, out, m, cfg, warmup=True)
     except triton.runtime.errors.OutOfResources:
         return False
-    kernels = compiled if isinstance(compiled, list) else [compiled]
-    kernels = [k.result() if hasattr(k, "result") else k for k in kernels]
-    return all(k.metadata.shared <= limit for k in kernels)
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    return compiled.metadata.shared <= limit
 
 
 def select(pb: Problem) -> Plan:
     """The plan "auto" runs for this problem (configs before the shared-memory check)."""
     m = _meta(pb)
-    return Plan("blocked", block_cfg=_block_candidates(pb, m)[0])
+    return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0])
 
 
 def _choose(launch, candidates, a, out, m, pb) -> dict:
@@ -255,19 +222,6 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
                           if pb.has_z else out["dmimo_o"])
         stage0.launch(a, out, m)
         dmimo_o, dmimo_z = out["dmimo_o"], out["dmimo_z"]
-    elif impl in ("auto", "blocked"):
-        f32 = dict(device=dev, dtype=torch.float32)
-        scratch = torch.empty(1, **f32)  # the compile probe only needs the dtypes
-        probe = dict(out, entry=scratch, blk_decay=scratch, part_o=scratch, part_z=scratch)
-        cfg = _choose(block_scan.launch, _block_candidates(pb, m), a, probe, m, pb)
-        n_blk = block_scan.n_blocks(m["nc"], cfg)
-        out["entry"] = torch.empty(B * H, n_blk, pb.N, P, **f32)
-        out["blk_decay"] = torch.empty(B * H, n_blk, **f32)
-        out["part_o"] = torch.empty(B * H, n_blk, R, P, **f32)
-        out["part_z"] = torch.empty(B * H, n_blk, R, P, **f32) if pb.has_z else out["part_o"]
-        block_scan.launch(a, out, m, cfg)
-        dmimo_o = out["part_o"].sum(1).view(B, H, R, P)
-        dmimo_z = out["part_z"].sum(1).view(B, H, R, P) if pb.has_z else None
     else:
         out["inc"] = (out["states"] if odt == torch.float32 else
                       torch.empty(out["states"].shape, device=dev, dtype=torch.float32))

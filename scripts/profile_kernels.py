@@ -44,6 +44,7 @@ def main():
                    inc=torch.empty(s.B, s.H, m["nc"], s.N, s.P, device="cuda"),
                    part_o=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"),
                    part_z=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"))
+        ref = api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
         total = bench(lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"))
         print(s.name, "total", total, dispatch.select(pb).describe(), flush=True)
         for cfg in state_cfgs:
@@ -56,6 +57,16 @@ def main():
         for cfg in out_cfgs:
             try:
                 ms = bench(lambda: chunk_output.launch(p, out, m, cfg))
+                # the config's outputs against the dispatcher's (needs out["inc"] = the fp32
+                # states, left there by the state configs above)
+                groups = triton.cdiv(m["nc"], cfg["CPP"])
+                bh = s.B * s.H
+                po = out["part_o"].view(-1)[:bh * groups * s.R * s.P].view(bh, groups, s.R, s.P)
+                pairs = ((out["dz"], ref[4]), (out["qk_dot"], ref[1]),
+                         (po.sum(1), ref[2].view(bh, s.R, s.P)))
+                err = max(((x.float() - y.float()).norm() / y.float().norm()).item()
+                          for x, y in pairs)
+                ms += f" rel_diff={err:.2e}" + (" WRONG" if err > 1e-2 else "")
             except Exception as e:  # noqa: BLE001
                 ms = repr(e)[:80]
             res.append(dict(shape=s.name, kernel="output", cfg=cfg, ms=ms))

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import mamba3_mimo  # noqa: E402
-from mamba3_mimo import api, dispatch  # noqa: E402
+from mamba3_mimo import api  # noqa: E402
 from mamba3_mimo.inputs import Shape, make_inputs  # noqa: E402
 from mamba3_mimo.reference import bwd_fwd_reference  # noqa: E402
 
@@ -39,9 +39,7 @@ THRESHOLDS = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 5e-3}
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 # "dispatch" is the public entry (mamba3_mimo_bwd_fwd); the others force one implementation.
-# "blocked3" is the production path with blocks of 3 chunks instead of the dispatcher's ~128
-# steps, so that small test problems span several blocks, a partial last one included.
-IMPLS = ("dispatch", "stage0", "chunked", "blocked3")
+IMPLS = ("dispatch", "stage0", "chunked")
 
 
 @pytest.fixture(scope="session")
@@ -59,9 +57,6 @@ def run_op(args: dict, impl: str = "dispatch", **extra):
     kwargs = {**args, **extra}
     if impl == "dispatch":
         return mamba3_mimo.mamba3_mimo_bwd_fwd(**kwargs)
-    if impl == "blocked3":
-        with dispatch.block_config_override(K=3):
-            return api.bwd_fwd(**kwargs, impl="blocked")
     return api.bwd_fwd(**kwargs, impl=impl)
 
 

@@ -44,13 +44,10 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, angles, da_cs_rev, dt, trap, in
     tl.store(inc + off + HALF * P, dot(tl.trans(k2 * w), psi_v, PREC), mask=m)
 
 
-@triton.jit(do_not_specialize=["nsteps", "sdb"])
-def state_passing_kernel(inc, dec, states, nsteps, sdb, sdc, NP_SIZE: tl.constexpr,
+@triton.jit(do_not_specialize=["S_pad", "nc"])
+def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, NP_SIZE: tl.constexpr,
                          BLOCK: tl.constexpr, KEEP_FP32: tl.constexpr):
-    """states[c] = states[c-1] * exp(dec[bh*sdb + c*sdc - 1]) + inc[c], states[0] = 0, on [BLOCK]
-    slices of [B*H, nsteps, NP_SIZE] tensors. The log-decay of step c-1 is read at that address:
-    per chunk, dec = da_cs, sdb = S_pad, sdc = C (its value at the chunk's last step); per block
-    of chunks (block_scan), a [B*H, nsteps] array of block totals with sdc = 1.
+    """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], states[0] = 0, on [BLOCK] slices.
 
     inc may alias states (fp32 outputs): each slice is read before it is overwritten. With
     KEEP_FP32 (narrower outputs) the fp32 state also replaces inc[c], so that chunk_output reads
@@ -58,26 +55,18 @@ def state_passing_kernel(inc, dec, states, nsteps, sdb, sdc, NP_SIZE: tl.constex
     bh = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
-    base = bh * nsteps * NP_SIZE + e
+    base = bh * nc * NP_SIZE + e
     running = tl.zeros([BLOCK], dtype=tl.float32)
     tl.store(states + base, running.to(states.dtype.element_ty), mask=m)
     if KEEP_FP32:
         tl.store(inc + base, running, mask=m)
-    for c in range(1, nsteps):
+    for c in range(1, nc):
         x = tl.load(inc + base + c * NP_SIZE, mask=m, other=0.0)
-        decay = tl.exp(tl.load(dec + bh * sdb + c * sdc - 1))
+        decay = tl.exp(tl.load(da_cs + bh * S_pad + c * C - 1))
         running = running * decay + x
         tl.store(states + base + c * NP_SIZE, running.to(states.dtype.element_ty), mask=m)
         if KEEP_FP32:
             tl.store(inc + base + c * NP_SIZE, running, mask=m)
-
-
-def pass_states(inc, dec, states, BH: int, nsteps: int, sdb: int, sdc: int, NP_SIZE: int,
-                BLOCK: int = 512):
-    """Launch state_passing_kernel over [B*H, nsteps, NP_SIZE] (see its docstring)."""
-    grid = (BH, triton.cdiv(NP_SIZE, BLOCK))
-    state_passing_kernel[grid](inc, dec, states, nsteps, sdb, sdc, NP_SIZE, BLOCK,
-                               inc.data_ptr() != states.data_ptr(), num_warps=4)
 
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
@@ -99,5 +88,7 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
     if grid[1] > 0:
         chunk_increment_kernel[grid](*args, num_warps=cfg["num_warps"])
-    pass_states(out["inc"], a["da_cs"], out["states"], B * H, m["nc"], m["S_pad"], m["C"], N * P,
-                cfg["BLOCK"])
+    pgrid = (B * H, triton.cdiv(N * P, cfg["BLOCK"]))
+    state_passing_kernel[pgrid](out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"],
+                                m["C"], N * P, cfg["BLOCK"],
+                                out["inc"].data_ptr() != out["states"].data_ptr(), num_warps=4)

@@ -43,68 +43,33 @@ def trap_terms(dt_ptr, trap_ptr, t, t_mask, S_pad):
 
 
 @triton.jit
-def _tile(row_vec, col_vec, TRANSPOSED: tl.constexpr):
-    """[rows, cols] tile of row_vec[i] + col_vec[j], or its transpose [cols, rows]."""
-    if TRANSPOSED:
-        x = col_vec[:, None] + row_vec[None, :]
-    else:
-        x = row_vec[:, None] + col_vec[None, :]
-    return x
-
-
-@triton.jit
-def _mask(row_mask, col_mask, TRANSPOSED: tl.constexpr):
-    """[rows, cols] tile of row_mask[i] & col_mask[j], or its transpose [cols, rows]."""
-    if TRANSPOSED:
-        m = col_mask[:, None] & row_mask[None, :]
-    else:
-        m = row_mask[:, None] & col_mask[None, :]
-    return m
-
-
-@triton.jit
-def rotary_cos_sin(ang_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD, stride_an,
-                   TRANSPOSED: tl.constexpr = False):
-    """cos/sin [rows, BJ] (or [BJ, rows] when TRANSPOSED) of the angles of pair columns
-    j0..j0+BJ at each row's step (t_off: offsets of the rows' steps into angles). Pairs >= RD are
-    not rotated: cos = 1, sin = 0."""
+def rotary_cos_sin(ang_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD, stride_an):
+    """cos/sin [rows, BJ] of the angles of pair columns j0..j0+BJ at each row's step (t_off:
+    offsets of the rows' steps into angles). Pairs >= RD are not rotated: cos = 1, sin = 0."""
     j = j0 + tl.arange(0, BJ)
-    m = _mask(row_mask, j < RD, TRANSPOSED)
-    a = tl.load(ang_ptr + _tile(t_off, j * stride_an, TRANSPOSED), mask=m, other=0.0)
+    m = row_mask[:, None] & (j < RD)[None, :]
+    a = tl.load(ang_ptr + t_off[:, None] + j[None, :] * stride_an, mask=m, other=0.0)
     return tl.cos(a), tl.sin(a)
-
-
-@triton.jit
-def load_halves(x_ptr, row_off, row_mask, j0, BJ: tl.constexpr, HALF, stride_n,
-                TRANSPOSED: tl.constexpr = False):
-    """Pair columns (j, HALF + j), j in j0..j0+BJ, of rows at x_ptr + row_off, as two fp32
-    [rows, BJ] tiles, or [BJ, rows] when TRANSPOSED (loaded so, contiguous along j, rather than
-    transposed in registers: a transposed operand otherwise makes the compiler give the load a
-    layout with one element per access)."""
-    j = j0 + tl.arange(0, BJ)
-    m = _mask(row_mask, j < HALF, TRANSPOSED)
-    x1 = tl.load(x_ptr + _tile(row_off, j * stride_n, TRANSPOSED), mask=m, other=0.0)
-    x2 = tl.load(x_ptr + _tile(row_off, (HALF + j) * stride_n, TRANSPOSED), mask=m, other=0.0)
-    return x1.to(tl.float32), x2.to(tl.float32)
-
-
-@triton.jit
-def rotate(x1, x2, cos, sin):
-    """rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j]."""
-    return cos * x1 - sin * x2, sin * x1 + cos * x2
 
 
 @triton.jit
 def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
                  HALF, stride_n, ROTATE: tl.constexpr):
     """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles.
-    ROTATE=False skips the rotation for blocks that hold no rotated pair."""
-    x1, x2 = load_halves(x_ptr, row_off, row_mask, j0, BJ, HALF, stride_n)
-    b1, b2 = load_halves(bias_ptr, bias_off, row_mask, j0, BJ, HALF, 1)
-    x1 += b1
-    x2 += b2
+
+    rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j].
+    ROTATE=False skips the rotation for blocks that hold no rotated pair.
+    """
+    j = j0 + tl.arange(0, BJ)
+    m = row_mask[:, None] & (j < HALF)[None, :]
+    c1 = j[None, :] * stride_n
+    c2 = (HALF + j)[None, :] * stride_n
+    x1 = tl.load(x_ptr + row_off[:, None] + c1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + row_off[:, None] + c2, mask=m, other=0.0).to(tl.float32)
+    x1 += tl.load(bias_ptr + bias_off[:, None] + j[None, :], mask=m, other=0.0)
+    x2 += tl.load(bias_ptr + bias_off[:, None] + (HALF + j)[None, :], mask=m, other=0.0)
     if ROTATE:
-        return rotate(x1, x2, cos, sin)
+        return cos * x1 - sin * x2, sin * x1 + cos * x2
     return x1, x2
 
 
