@@ -1,7 +1,8 @@
 """Compile the kernels of one bwd_fwd call for sm_90 on a machine without a GPU and print each
 kernel's registers, spills and shared memory (ptxas through cuobjdump), to study register
 pressure without device time. Integer arguments are specialised as the JIT does (1 becomes a
-constant, multiples of 16 are marked), so that the layouts match a GPU build.  Usage: python scripts/offline_resources.py B S H G N P R C [impl]"""
+constant, multiples of 16 are marked), so that the layouts match a GPU build.
+Usage: python scripts/offline_resources.py B S H G N P R C [impl]"""
 import inspect
 import os
 import subprocess
