@@ -1,8 +1,9 @@
 """Shape dispatcher: picks the implementation and kernel configs for a bwd_fwd problem, and runs it.
 
-Rule: "auto" runs the production path, "chunked": chunk_increment_kernel (chunk-parallel state
-increments), state_passing_kernel (serial multiply-add over chunks) and chunk_output_kernel
-(chunk-parallel outputs). Configs depend only on model dimensions (N, P, R, C, dtypes, flags),
+Rule: "auto" runs the production path, "chunked": step_terms_kernel (per-step terms and the
+rotary cos/sin table), chunk_increment_kernel (chunk-parallel state increments),
+state_passing_kernel (serial multiply-add over chunks) and chunk_output_kernel (chunk-parallel
+outputs). Configs depend only on model dimensions (N, P, R, C, dtypes, flags),
 never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
 configs, largest first; the first whose compiled kernel fits the device's shared memory per block
 (shared_memory_per_block_optin, or `smem_limit_override`) is used and cached. "stage0" is the
@@ -18,7 +19,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import triton
 
-from .kernels import chunk_output, chunk_state, stage0
+from .kernels import chunk_output, chunk_state, stage0, step_terms
 
 IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
@@ -133,21 +134,15 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
-    """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md steps 3
-    and 5): 64-column P blocks (fewer programs, no recomputed scores), 16-pair N blocks up to
-    N = 64 and for N > 128 or P > 64 (32-pair blocks spill there), 32-pair blocks otherwise,
-    4 warps. For chunk tiles of at most 32 rows (C * R <= 32) and N >= 128, first a loop of four
-    chunks per program software-pipelined two deep (the next chunk's loads overlap this chunk's
-    work; 8 warps above N = 128): 1.8-2.2x faster there; with 64-row tiles its buffers exceed the
-    H200's shared memory, and at N = 16 it is no faster. The shared-memory check falls back to
-    the next candidate on smaller GPUs."""
+    """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md step 7):
+    one chunk per program (CPP = 1), 32-pair N blocks (16 when N/2 is smaller), 64-column P
+    blocks, 4 warps, on every shape of the official grid. Since the per-step terms moved out of
+    the kernel, the pipelined four-chunk loop of step 5 is slower everywhere (CPP stays a
+    parameter of the kernel for such experiments). The shared-memory check falls back to
+    narrower blocks on smaller GPUs."""
     half = pb.N // 2
-    bj = 32 if 64 < pb.N <= 128 and pb.P <= 64 else 16
     out = []
-    if m["TP"] * m["RP"] <= 32 and pb.N >= 128:
-        out.append(dict(BJ=16, BP=min(64, _pow2(pb.P)), CPP=4,
-                        num_warps=8 if pb.N > 128 else 4, num_stages=2))
-    for BJ, BP in ((bj, 64), (16, 32), (16, 16)):
+    for BJ, BP in ((32, 64), (16, 32), (16, 16)):
         cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), CPP=1, num_warps=4,
                    num_stages=1)
         if cfg not in out:
@@ -232,6 +227,7 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
     else:
         out["inc"] = (out["states"] if odt == torch.float32 else
                       torch.empty(out["states"].shape, device=dev, dtype=torch.float32))
+        step_terms.launch(a, out, m)
         s_cfg = _choose(chunk_state.launch, _state_candidates(pb, m), a, out, m, pb)
         probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
         o_cfg = _choose(chunk_output.launch, _output_candidates(pb, m), a, probe, m, pb)

@@ -10,7 +10,7 @@ import triton
 from mamba3_mimo import api, dispatch
 from mamba3_mimo.__main__ import rel_err
 from mamba3_mimo.inputs import official_shapes, make_inputs
-from mamba3_mimo.kernels import chunk_output, chunk_state
+from mamba3_mimo.kernels import chunk_output, chunk_state, step_terms
 
 
 def bench(fn):
@@ -45,6 +45,7 @@ def main():
                    inc=torch.empty(s.B, s.H, m["nc"], s.N, s.P, device="cuda"),
                    part_o=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"),
                    part_z=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"))
+        step_terms.launch(p, out, m)
         ref = api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
         total = bench(lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"))
         print(s.name, "total", total, dispatch.select(pb).describe(), flush=True)

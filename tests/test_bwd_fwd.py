@@ -234,7 +234,8 @@ def test_output_and_trap_dtypes(dtype, output_dtype, trap_dtype, impl):
 
 def test_chunk_groups_with_a_partial_last_group(monkeypatch):
     """chunk_output with CPP = 3 chunks per program over 5 chunks: the last group holds chunks
-    past the end, which must load and write nothing (the dispatcher picks CPP = 1 or 4)."""
+    past the end, which must load and write nothing (a kernel parameter for experiments; the
+    dispatcher now picks CPP = 1)."""
     from mamba3_mimo import dispatch
     base = dispatch._output_candidates
 

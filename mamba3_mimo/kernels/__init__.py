@@ -1,2 +1,2 @@
-"""Triton kernels by family: `common` (shared math), `stage0` (baseline), `chunk_state` and
-`chunk_output` (production)."""
+"""Triton kernels by family: `common` (shared math), `stage0` (baseline), `step_terms`,
+`chunk_state` and `chunk_output` (production)."""

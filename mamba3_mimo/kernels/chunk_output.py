@@ -8,19 +8,20 @@ raw_y = (scores * causal weights) psi_v + exp(da_cs) inter + D psi_v.
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, dot, mac, gate_epilogue, head_params, intra_weights, load_psi_v,
-                     load_rotated, rotary_cos_sin, store_qk_dot, store_rank_sums, trap_terms)
+from .common import (chunk_rows, dot, mac, gate_epilogue, head_params, intra_weights,
+                     load_cos_sin, load_psi_v, load_rotated, store_qk_dot, store_rank_sums)
+from .step_terms import GAMMA, Q_DECAY, TRAP_SCALE
 
 
 @triton.jit
-def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, ang_ptr, a_off, rows, qb_ptr, kb_ptr,
-                bias_off, st, p, pm, j0, HALF, RD, sqn, skn, san, P, BJ: tl.constexpr,
+def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_off, rows,
+                qb_ptr, kb_ptr, bias_off, st, p, pm, j0, HALF, RD, sqn, skn, P, BJ: tl.constexpr,
                 ROTATE: tl.constexpr, PREC: tl.constexpr):
     """scores += Qr Kr^T and inter += Qr states over the pair columns j0..j0+BJ; pm says which
     state columns to load (none for a chunk past the end, which a group of CPP chunks can hold)."""
     cos, sin = 0.0, 0.0
     if ROTATE:
-        cos, sin = rotary_cos_sin(ang_ptr, a_off, rows, j0, BJ, RD, san)
+        cos, sin = load_cos_sin(cos_ptr, sin_ptr, cs_off, rows, j0, BJ, RD)
     q1, q2 = load_rotated(q_ptr, q_off, rows, qb_ptr, bias_off, cos, sin, j0, BJ, HALF, sqn,
                           ROTATE)
     k1, k2 = load_rotated(k_ptr, k_off, rows, kb_ptr, bias_off, cos, sin, j0, BJ, HALF, skn,
@@ -34,13 +35,12 @@ def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, ang_ptr, a_off, rows,
     return scores, mac(mac(inter, q1, st1, PREC), q2, st2, PREC)
 
 
-@triton.jit(do_not_specialize=["S", "S_pad", "nc", "n_groups", "sqb", "skb", "svb", "sab",
+@triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_groups", "sqb", "skb", "svb",
                                "sgb", "sgh"])
-def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, angles,
-                        da_cs, dt, trap, segsum, states, qk_dot, dz, part_o, part_z,
-                        S, S_pad, nc, n_groups, H, HG, sqb, sqs, sqr, sqg, sqn,
-                        skb, sks, skr, skg, skn, svb, svs, svh, svp, sab, sas, sah, san,
-                        sgb, sgh, sgc, R, N: tl.constexpr, P: tl.constexpr, C,
+def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
+                        sin, segsum, states, qk_dot, dz, part_o, part_z,
+                        S, S_pad, plane, nc, n_groups, H, HG, sqb, sqs, sqr, sqg, sqn,
+                        skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R, N: tl.constexpr, P: tl.constexpr, C,
                         TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         CPP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
@@ -52,15 +52,13 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     g = h // HG
     t, r = chunk_rows(TP, RP)
     rank_ok = (t < C) & (r < R)
-    RS: tl.constexpr = 16 if RP < 16 else RP
-    TS: tl.constexpr = 16 if TP < 16 else TP
-    tt = tl.arange(0, TS)
+    tt = tl.arange(0, TP)
     p = pid_p * BP + tl.arange(0, BP)
     pm = p < P
     row = bh * S_pad
     vb = v + b * svb + h * svh
-    acc_o = tl.zeros([RS, BP], dtype=tl.float32)
-    acc_z = tl.zeros([RS, BP], dtype=tl.float32)
+    acc_o = tl.zeros([RP, BP], dtype=tl.float32)
+    acc_z = tl.zeros([RP, BP], dtype=tl.float32)
     for i in range(CPP):
         c = grp * CPP + i
         rows = rank_ok & (c < nc)
@@ -71,22 +69,22 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         st = states + (bh * nc + c) * N * P
         qx, q_off = q + b * sqb + g * sqg, tg * sqs + r * sqr
         kx, k_off = k + b * skb + g * skg, tg * sks + r * skr
-        ax, a_off = angles + b * sab + h * sah, tg * sas
         # Unrolled: the loads of every pair block are issued together, so the program waits
         # for memory about once instead of once per block (docs/optimisation.md, step 3).
         for j0 in tl.static_range(0, HALF, BJ):
-            scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, ax, a_off, rows,
-                                        q_bias + h * R * N, k_bias + h * R * N, r * N, st, p,
-                                        pm & (c < nc), j0, HALF, RD, sqn, skn, san, P, BJ,
-                                        j0 < RD, PREC)
+            scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, cos + row * RD,
+                                        sin + row * RD, tg * RD, rows, q_bias + h * R * N,
+                                        k_bias + h * R * N, r * N, st, p, pm & (c < nc), j0,
+                                        HALF, RD, sqn, skn, P, BJ, j0 < RD, PREC)
         store_qk_dot(qk_dot + (bh * S + c * C) * R * R, scores, t, r,
-                     rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT)
-        gamma, trap_scale = trap_terms(dt + row, trap + row, tg, rows, S_pad)
+                     rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT, True)
+        gamma = tl.load(terms + GAMMA * plane + row + tg, mask=rows, other=0.0)
+        trap_scale = tl.load(terms + TRAP_SCALE * plane + row + tg, mask=rows, other=0.0)
         w = intra_weights(segsum + b * sgb + h * sgh + c * sgc, t, t, rows, rows, C, gamma,
                           trap_scale)
         psi_v = load_psi_v(vb, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm, P, svp)
-        a_t = tl.load(da_cs + row + tg, mask=rows, other=0.0)
-        raw = dot(scores * w, psi_v, PREC) + tl.exp(a_t)[:, None] * inter
+        q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
+        raw = dot(scores * w, psi_v, PREC) + q_decay[:, None] * inter
         # Phi and Zeta are loaded only now: live through the N loop they cost registers
         phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rank_ok, p, pm, R, P, HAS_Z, HAS_D)
         if HAS_D:
@@ -94,16 +92,17 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         part_o_c, part_z_c = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
                                            tg * svs, rows, phi, zeta, p, pm, svp,
                                            dz + (b * S * H + h) * P, (c * C + tt) * H * P,
-                                           t_ok & (c * C + tt < S), TP, RP, HAS_Z, EXACT)
+                                           t_ok & (c * C + tt < S), TP, RP, HAS_Z, EXACT, True)
         acc_o += part_o_c
         acc_z += part_z_c
     part = (bh * n_groups + grp) * R * P
-    store_rank_sums(part_o + part, part_z + part, acc_o, acc_z, R, p, pm, P, RS, HAS_Z)
+    store_rank_sums(part_o + part, part_z + part, acc_o, acc_z, R, p, pm, P, RP, HAS_Z)
 
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write qk_dot, dz and the dmimo partial sums, reading the fp32 states from out["inc"]
-    (chunk_state's result); cfg holds BJ, BP, CPP, num_warps, num_stages.
+    (chunk_state's result) and step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ,
+    BP, CPP, num_warps, num_stages.
 
     out["part_o"], out["part_z"]: [B*H, n_groups, R, P] fp32 scratch, n_groups = cdiv(nc, CPP).
     """
@@ -115,10 +114,10 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     kernel = chunk_output_kernel.warmup if warmup else chunk_output_kernel[grid]
     return kernel(
         a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
-        a["mimo_o"], a["mimo_z"], a["d"], a["angles"], a["da_cs"], a["dt"], a["trap"], seg,
+        a["mimo_o"], a["mimo_z"], a["d"], out["terms"], out["cos"], out["sin"], seg,
         out["inc"], out["qk_dot"], out["dz"], out["part_o"], out["part_z"],
-        m["S"], m["S_pad"], m["nc"], n_groups, H, H // m["G"], *a["q"].stride(),
-        *a["k"].stride(), *a["v"].stride(), *a["angles"].stride(), seg.stride(0), seg.stride(1),
+        m["S"], m["S_pad"], B * H * m["S_pad"], m["nc"], n_groups, H, H // m["G"],
+        *a["q"].stride(), *a["k"].stride(), *a["v"].stride(), seg.stride(0), seg.stride(1),
         seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TP"], m["RP"], m["N"] // 2, m["RD"],
         cfg["BJ"], cfg["BP"], cfg["CPP"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"grid": grid} if warmup else {}))

@@ -8,14 +8,15 @@ a serial loop of multiply-adds over [BLOCK] slices whose loads do not depend on 
 import triton
 import triton.language as tl
 
-from .common import chunk_rows, dot, load_psi_v, load_rotated, rotary_cos_sin, trap_terms
+from .common import chunk_rows, dot, load_cos_sin, load_psi_v, load_rotated
+from .step_terms import K_DECAY
 
 
-@triton.jit(do_not_specialize=["S_pad", "nc", "skb", "svb", "sab"])
-def chunk_increment_kernel(k, v, k_bias, mimo_v, angles, da_cs_rev, dt, trap, inc,
-                           S_pad, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh, svp,
-                           sab, sas, sah, san, R, N: tl.constexpr, P: tl.constexpr, C,
-                           TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD,
+@triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
+def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
+                           S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh,
+                           svp, R, N: tl.constexpr, P: tl.constexpr, C,
+                           TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                            BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
     """inc[b, h, c + 1] = sum_{t in chunk c} k_w[t]^T psi_v[t] with
     k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1."""
@@ -29,19 +30,21 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, angles, da_cs_rev, dt, trap, in
     tg = c * C + t
     pm = p < P
     row = bh * S_pad
-    cos, sin = rotary_cos_sin(angles + b * sab + h * sah, tg * sas, rows, j0, BJ, RD, san)
+    cs, sn = load_cos_sin(cos + row * RD, sin + row * RD, tg * RD, rows, j0, BJ, RD)
     k1, k2 = load_rotated(k + b * skb + (h // HG) * skg, tg * sks + r * skr, rows,
-                          k_bias + h * R * N, r * N, cos, sin, j0, BJ, HALF, skn, True)
-    _, trap_scale = trap_terms(dt + row, trap + row, tg, rows, S_pad)
-    rev = tl.load(da_cs_rev + row + tg, mask=rows, other=0.0)
-    w = tl.where(rows, trap_scale * tl.exp(rev), 0.0)[:, None]
+                          k_bias + h * R * N, r * N, cs, sn, j0, BJ, HALF, skn, True)
+    w = tl.load(terms + K_DECAY * plane + row + tg, mask=rows, other=0.0)[:, None]
     psi_v = load_psi_v(v + b * svb + h * svh, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm, P,
                        svp)
+    # psi_v^T (k_w) rather than k_w^T psi_v: k_w, built by elementwise ops, is then the B
+    # operand, which always goes through shared memory; as the transposed A operand Triton
+    # moved its whole computation into the dot-operand layout (255 registers and spills).
+    psi_t = tl.trans(psi_v)
     j = j0 + tl.arange(0, BJ)
-    off = (bh * nc + c + 1) * N * P + j[:, None] * P + p[None, :]
-    m = (j < HALF)[:, None] & pm[None, :]
-    tl.store(inc + off, dot(tl.trans(k1 * w), psi_v, PREC), mask=m)
-    tl.store(inc + off + HALF * P, dot(tl.trans(k2 * w), psi_v, PREC), mask=m)
+    off = (bh * nc + c + 1) * N * P + j[None, :] * P + p[:, None]
+    m = (j < HALF)[None, :] & pm[:, None]
+    tl.store(inc + off, dot(psi_t, k1 * w, PREC), mask=m)
+    tl.store(inc + off + HALF * P, dot(psi_t, k2 * w, PREC), mask=m)
 
 
 @triton.jit(do_not_specialize=["S_pad", "nc"])
@@ -80,9 +83,9 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     half = N // 2
     n_jb = triton.cdiv(half, cfg["BJ"])
     grid = (B * H, max(m["nc"] - 1, 0), n_jb * triton.cdiv(P, cfg["BP"]))
-    args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], a["angles"], a["da_cs_rev"], a["dt"],
-            a["trap"], out["inc"], m["S_pad"], m["nc"], H, H // m["G"], n_jb, *a["k"].stride(),
-            *a["v"].stride(), *a["angles"].stride(), m["R"], N, P, m["C"], m["TP"], m["RP"], half,
+    args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"],
+            out["inc"], m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb,
+            *a["k"].stride(), *a["v"].stride(), m["R"], N, P, m["C"], m["TP"], m["RP"], half,
             m["RD"], cfg["BJ"], cfg["BP"], m["PREC"])
     if warmup:
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])

@@ -53,6 +53,24 @@ def rotary_cos_sin(ang_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD, stride_an
 
 
 @triton.jit
+def load_cos_sin(cos_ptr, sin_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD):
+    """cos/sin [rows, BJ] of pair columns j0..j0+BJ from step_terms' tables (cos_ptr, sin_ptr at
+    the (b, h) [S_pad, RD] slice; t_off = step * RD). Pairs >= RD: cos = 1, sin = 0."""
+    j = j0 + tl.arange(0, BJ)
+    m = row_mask[:, None] & (j < RD)[None, :]
+    off = t_off[:, None] + j[None, :]
+    return tl.load(cos_ptr + off, mask=m, other=1.0), tl.load(sin_ptr + off, mask=m, other=0.0)
+
+
+@triton.jit
+def sum_rows(x, TP: tl.constexpr, RP: tl.constexpr, OVER_TIME: tl.constexpr):
+    """Exact fp32 sum of a [TP * RP, M] chunk tile over its steps ([RP, M], OVER_TIME) or over
+    its ranks ([TP, M])."""
+    AXIS: tl.constexpr = 0 if OVER_TIME else 1
+    return tl.sum(tl.reshape(x, (TP, RP, x.shape[1])), axis=AXIS)
+
+
+@triton.jit
 def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
                  HALF, stride_n, ROTATE: tl.constexpr):
     """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles.
@@ -102,7 +120,18 @@ def intra_weights(seg_ptr, t_row, t_col, mask_row, mask_col, C, gamma_row, trap_
 
 
 @triton.jit
-def gate_grads(raw, dout, phi, z, zeta, HAS_Z: tl.constexpr):
+def sigmoid(x, FAST: tl.constexpr):
+    """tl.sigmoid, or with FAST the same through the approximate division (2 ulp): the precise
+    division's slow-path branch was the largest stall of chunk_output's epilogue."""
+    if FAST:
+        y = tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x), ieee_rounding=False)
+    else:
+        y = tl.sigmoid(x)
+    return y
+
+
+@triton.jit
+def gate_grads(raw, dout, phi, z, zeta, HAS_Z: tl.constexpr, FAST: tl.constexpr):
     """Per-element terms of (dmimo_o, dmimo_z, dz) for out = sum_r Phi * silu(z * Zeta) * raw.
 
     Returns dout*gate*raw, dout*Phi*raw*silu'(u)*z and dout*Phi*raw*silu'(u)*Zeta (the last two
@@ -110,7 +139,7 @@ def gate_grads(raw, dout, phi, z, zeta, HAS_Z: tl.constexpr):
     """
     if HAS_Z:
         u = z * zeta
-        sg = tl.sigmoid(u)
+        sg = sigmoid(u, FAST)
         g = dout * phi * raw * (sg * (1.0 + u * (1.0 - sg)))
         return dout * (u * sg) * raw, g * z, g * zeta
     zero = tl.zeros_like(raw)
@@ -142,16 +171,21 @@ def select(ROWS: tl.constexpr, M: tl.constexpr, RP: tl.constexpr, BY_RANK: tl.co
 
 @triton.jit
 def store_qk_dot(qk_ptr, scores, t, r, row_ok, R, RP: tl.constexpr, ROWS: tl.constexpr,
-                 EXACT: tl.constexpr):
+                 EXACT: tl.constexpr, LEAN: tl.constexpr):
     """qk_dot[t, r, r'] = scores[(t, r), (t, r')]: the same-step blocks of a chunk's Q K^T.
 
     qk_ptr points at the chunk's first step in the contiguous [S, R, R] output; (t, r) are the
-    rows' step-in-chunk and rank and row_ok says which rows are stored.
+    rows' step-in-chunk and rank and row_ok says which rows are stored. LEAN picks the blocks
+    with an exact reshape-sum (production); otherwise with a 0/1 selection dot (stage 0).
     """
-    RS: tl.constexpr = 16 if RP < 16 else RP
     same = t[:, None] == t[None, :]
-    qk = tl.dot(tl.where(same, scores, 0.0), tl.trans(select(ROWS, RS, RP, True)),
-                input_precision=EXACT)  # [ROWS, RS]
+    if LEAN:
+        RS: tl.constexpr = RP
+        qk = tl.sum(tl.reshape(tl.where(same, scores, 0.0), (ROWS, ROWS // RP, RP)), axis=1)
+    else:
+        RS: tl.constexpr = 16 if RP < 16 else RP
+        qk = tl.dot(tl.where(same, scores, 0.0), tl.trans(select(ROWS, RS, RP, True)),
+                    input_precision=EXACT)  # [ROWS, RS]
     r2 = tl.arange(0, RS)[None, :]
     off = (t[:, None] * R + r[:, None]) * R + r2
     tl.store(qk_ptr + off, qk.to(qk_ptr.dtype.element_ty), mask=row_ok[:, None] & (r2 < R))
@@ -160,13 +194,15 @@ def store_qk_dot(qk_ptr, scores, t, r, row_ok, R, RP: tl.constexpr, ROWS: tl.con
 @triton.jit
 def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, stride_p,
                   dz_ptr, t_time_off, t_time_mask, TP: tl.constexpr, RP: tl.constexpr,
-                  HAS_Z: tl.constexpr, EXACT: tl.constexpr):
+                  HAS_Z: tl.constexpr, EXACT: tl.constexpr, LEAN: tl.constexpr):
     """Reduce-O gradients of one chunk tile: stores dz and returns the per-rank partial sums.
 
     raw/phi/zeta: [TP * RP, BP] fp32. dout_ptr, z_ptr, dz_ptr point at the (b, h) slices of
-    [B, S, H, P] tensors (t_off: the rows' step offsets in dout/z; t_time_off [max(TP, 16)]:
-    the chunk's step offsets in the contiguous dz). Returns (sum_t dout*gate*raw,
-    sum_t dout*Phi*raw*silu'(u)*z), each [max(RP, 16), BP] with rank on the rows.
+    [B, S, H, P] tensors (t_off: the rows' step offsets in dout/z; t_time_off [TS]: the chunk's
+    step offsets in the contiguous dz). Returns (sum_t dout*gate*raw,
+    sum_t dout*Phi*raw*silu'(u)*z), each [RS, BP] with rank on the rows.
+    LEAN (production): exact reshape-sums and the fast sigmoid, TS = TP, RS = RP. Otherwise
+    (stage 0): 0/1 selection dots and tl.sigmoid, TS = max(TP, 16), RS = max(RP, 16).
     """
     ROWS: tl.constexpr = TP * RP
     m = row_mask[:, None] & p_mask[None, :]
@@ -175,17 +211,24 @@ def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, s
     z = tl.zeros_like(raw)
     if HAS_Z:
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z)
-    RS: tl.constexpr = 16 if RP < 16 else RP
-    by_rank = select(ROWS, RS, RP, True)
+    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, LEAN)
     if HAS_Z:
-        TS: tl.constexpr = 16 if TP < 16 else TP
-        dz = tl.dot(select(ROWS, TS, RP, False), g_dz, input_precision=EXACT)
+        if LEAN:
+            dz = sum_rows(g_dz, TP, RP, False)
+        else:
+            TS: tl.constexpr = 16 if TP < 16 else TP
+            dz = tl.dot(select(ROWS, TS, RP, False), g_dz, input_precision=EXACT)
         dm = t_time_mask[:, None] & p_mask[None, :]
         tl.store(dz_ptr + t_time_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty),
                  mask=dm)
-    return (tl.dot(by_rank, g_o, input_precision=EXACT),
-            tl.dot(by_rank, g_z, input_precision=EXACT))
+    if LEAN:
+        part_o, part_z = sum_rows(g_o, TP, RP, True), sum_rows(g_z, TP, RP, True)
+    else:
+        RS: tl.constexpr = 16 if RP < 16 else RP
+        by_rank = select(ROWS, RS, RP, True)
+        part_o = tl.dot(by_rank, g_o, input_precision=EXACT)
+        part_z = tl.dot(by_rank, g_z, input_precision=EXACT)
+    return part_o, part_z
 
 
 @triton.jit

@@ -53,7 +53,7 @@ def _qk_dot_kernel(qr, kr, qk_dot, S, S_pad, R, N: tl.constexpr, C, TP: tl.const
     q = _load_rotated_scratch(qr, bh, c * C + t, r, rows, S_pad, R, N, NP)
     k = _load_rotated_scratch(kr, bh, c * C + t, r, rows, S_pad, R, N, NP)
     store_qk_dot(qk_dot + (bh * S + c * C) * R * R, dot(q, tl.trans(k), PREC), t, r,
-                 rows & (c * C + t < S), R, RP, TP * RP, EXACT)
+                 rows & (c * C + t < S), R, RP, TP * RP, EXACT, False)
 
 
 @triton.jit(do_not_specialize=["S", "S_pad", "nc", "svb", "sgb", "sgh"])
@@ -99,7 +99,7 @@ def _scan_kernel(qr, kr, v, dout, z, mimo_v, mimo_o, mimo_z, d, da_cs, da_cs_rev
         part_o, part_z = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
                                        tg * svs, rows, phi, zeta, p, pm, svp,
                                        dz + (b * S * H + h) * P, tgt * H * P,
-                                       (tt < C) & (tgt < S), TP, RP, HAS_Z, EXACT)
+                                       (tt < C) & (tgt < S), TP, RP, HAS_Z, EXACT, False)
         acc_o += part_o
         acc_z += part_z
         rev = tl.load(da_cs_rev + bh * S_pad + tg, mask=rows, other=0.0)

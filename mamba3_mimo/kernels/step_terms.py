@@ -1,0 +1,59 @@
+"""Production per-step terms: what chunk_increment and chunk_output would otherwise recompute in
+every program, once per (b, h, step): gamma, trap_scale, the decay weights and the rotary cos/sin.
+
+Inside a chunk tile these per-step values live in layouts that repeat them over a tile's other
+dimension, and Triton recomputes them there: on the H200 the in-kernel cos/sin took a third of
+both kernels' issue slots (docs/optimisation.md, step 7). Here each value is computed once.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .common import rotary_cos_sin, trap_terms
+
+# planes of the `terms` scratch [4, B*H, S_pad]
+GAMMA = tl.constexpr(0)
+TRAP_SCALE = tl.constexpr(1)
+K_DECAY = tl.constexpr(2)
+Q_DECAY = tl.constexpr(3)
+
+
+@triton.jit(do_not_specialize=["S_pad", "n_bh", "sab"])
+def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad, n_bh, H,
+                      sab, sas, sah, san, RD, BS: tl.constexpr, RDP: tl.constexpr):
+    """For steps s of one (b, h): terms[GAMMA] = gamma, terms[TRAP_SCALE] = trap_scale,
+    terms[K_DECAY] = trap_scale * exp(da_cs_rev), terms[Q_DECAY] = exp(da_cs); cos/sin [S_pad, RD]
+    of the angles."""
+    bh = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    m = s < S_pad
+    row = bh * S_pad
+    gamma, trap_scale = trap_terms(dt + row, trap + row, s, m, S_pad)
+    rev = tl.load(da_cs_rev + row + s, mask=m, other=0.0)
+    a = tl.load(da_cs + row + s, mask=m, other=0.0)
+    plane = n_bh * S_pad
+    tl.store(terms + GAMMA * plane + row + s, gamma, mask=m)
+    tl.store(terms + TRAP_SCALE * plane + row + s, trap_scale, mask=m)
+    tl.store(terms + K_DECAY * plane + row + s, trap_scale * tl.exp(rev), mask=m)
+    tl.store(terms + Q_DECAY * plane + row + s, tl.exp(a), mask=m)
+    b, h = bh // H, bh % H
+    c, sn = rotary_cos_sin(angles + b * sab + h * sah, s * sas, m, 0, RDP, RD, san)
+    j = tl.arange(0, RDP)
+    off = (row + s)[:, None] * RD + j[None, :]
+    jm = m[:, None] & (j < RD)[None, :]
+    tl.store(cos + off, c, mask=jm)
+    tl.store(sin + off, sn, mask=jm)
+
+
+def launch(a: dict, out: dict, meta: dict) -> None:
+    """Fill out["terms"] [4, B*H, S_pad], out["cos"] and out["sin"] [B*H, S_pad, RD] (fp32)."""
+    m = meta
+    n_bh, S_pad, RD = m["B"] * m["H"], m["S_pad"], m["RD"]
+    out["terms"] = torch.empty(4, n_bh, S_pad, device=a["dt"].device, dtype=torch.float32)
+    out["cos"] = torch.empty(n_bh, S_pad, RD, device=a["dt"].device, dtype=torch.float32)
+    out["sin"] = torch.empty_like(out["cos"])
+    BS = 32
+    step_terms_kernel[(n_bh, triton.cdiv(S_pad, BS))](
+        a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
+        out["sin"], S_pad, n_bh, m["H"], *a["angles"].stride(), RD, BS,
+        triton.next_power_of_2(RD))
