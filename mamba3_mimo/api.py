@@ -1,7 +1,7 @@
 """Public entry of the Mamba-3 MIMO bwd_fwd operator: argument checks, tail padding, dispatch.
 
 `mamba3_mimo_bwd_fwd` keeps the seed's signature; `bwd_fwd` adds `impl` to force one
-implementation ("stage0" baseline, "chunked" or "scan" production) for tests and benchmarks.
+implementation ("stage0" baseline or "chunked" production) for tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -138,8 +138,7 @@ def bwd_fwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor, k_bia
             d: Optional[Tensor] = None, z: Optional[Tensor] = None, chunk_size: int = 16,
             rotary_dim_divisor: int = 4, output_dtype: torch.dtype = torch.float32,
             impl: str = "auto"):
-    """`mamba3_mimo_bwd_fwd` with a choice of implementation: "auto", "stage0", "chunked" or
-    "scan"."""
+    """`mamba3_mimo_bwd_fwd` with a choice of implementation: "auto", "stage0" or "chunked"."""
     problem = _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev,
                         dt, trap, segsum, mimo_z, d, z, chunk_size, rotary_dim_divisor,
                         output_dtype)

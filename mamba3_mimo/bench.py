@@ -33,7 +33,7 @@ DEFAULT_UPSTREAM = REPO / "bench" / "upstream_tilelang_h200.json"
 COPY_BANDWIDTH = 4.3e12  # bytes/s: the H200's measured copy bandwidth (BENCHMARK.md)
 # "auto" before "chunked": the two share kernels, so only the first to run pays the compile, and
 # the table reports the first call of "auto"
-CANDIDATES = ("stage0", "auto", "chunked", "scan")
+CANDIDATES = ("stage0", "auto", "chunked")
 CONTROL = Shape(B=8, S=2048, H=16, G=1, N=128, P=64, R=4, C=16)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 

@@ -1,12 +1,10 @@
 """Shape dispatcher: picks the implementation and kernel configs for a bwd_fwd problem, and runs it.
 
-Rule: "auto" runs the production path "chunked": step_terms_kernel (per-step terms and the
+Rule: "auto" runs the production path, "chunked": step_terms_kernel (per-step terms and the
 rotary cos/sin table), chunk_increment_kernel (chunk-parallel state increments),
 state_passing_kernel (serial multiply-add over chunks) and chunk_output_kernel (chunk-parallel
-outputs). "scan" is the same with state_scan_kernel in place of the increments and their
-passing (the increments computed inside the serial chunk loop). Configs depend only on model
-dimensions (N, P, R, C, dtypes, flags), never on B or S, so a new batch or length never
-recompiles. Each kernel has a list of candidate
+outputs). Configs depend only on model dimensions (N, P, R, C, dtypes, flags),
+never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
 configs, largest first; the first whose compiled kernel fits the device's shared memory per block
 (shared_memory_per_block_optin, or `smem_limit_override`) is used and cached. "stage0" is the
 baseline, never chosen by "auto".
@@ -23,7 +21,7 @@ import triton
 
 from .kernels import chunk_output, chunk_state, stage0, step_terms
 
-IMPLS = ("auto", "chunked", "scan", "stage0")
+IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
 _config_cache: Dict[tuple, dict] = {}
 
@@ -58,8 +56,7 @@ class Plan:
         if self.impl == "stage0":
             return "stage0 (rotary + qk_dot + serial scan per (b, h))"
         s, o = self.state_cfg, self.output_cfg
-        state = "state_scan" if s["SCAN"] else "chunk_increment"
-        return (f"{self.impl} ({state} BJ={s['BJ']} BP={s['BP']}; "
+        return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
                 f"chunk_output BJ={o['BJ']} BP={o['BP']} CPP={o['CPP']})")
 
 
@@ -128,21 +125,12 @@ def _meta(pb: Problem) -> dict:
                 EXACT=exact)
 
 
-def _state_candidates(pb: Problem, m: dict, scan: bool = False) -> List[dict]:
+def _state_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_state configs, preferred first; model dimensions only (never B or S, so a new batch
-    or length never recompiles).
-
-    "chunked" (scan False): 32-pair, 64-column increment blocks (measured best, optimisation.md
-    steps 2 and 7). "scan": 16-pair blocks of 64 columns, 4 warps, the chunk loop pipelined two
-    deep (213 registers at N = 128: two programs per SM; with B*H = 64 heads and N = 128 that is
-    one wave of serial programs). Not yet tuned on the GPU.
-    """
+    or length never recompiles)."""
     half = pb.N // 2
-    if scan:
-        return [dict(SCAN=True, BJ=min(16, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4,
-                     num_stages=stages) for BP, stages in ((64, 2), (32, 1), (16, 1))]
-    return [dict(SCAN=False, BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4,
-                 BLOCK=512) for BJ, BP in ((32, 64), (32, 32), (16, 16))]
+    return [dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4, BLOCK=512)
+            for BJ, BP in ((32, 64), (32, 32), (16, 16))]
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
@@ -184,7 +172,7 @@ def _choose(launch, candidates, a, out, m, pb) -> dict:
     if pb.device.type != "cuda":
         return candidates[0]
     limit = smem_limit(pb.device)
-    key = (launch.__module__, tuple(sorted(candidates[0].items())), pb.N, pb.P, pb.R, pb.C, pb.RD, pb.dtype, pb.output_dtype,
+    key = (launch.__module__, pb.N, pb.P, pb.R, pb.C, pb.RD, pb.dtype, pb.output_dtype,
            pb.has_z, pb.has_d, pb.device, limit)
     if key not in _config_cache:
         fit = next((c for c in candidates if _fits(launch, a, out, m, c, limit)), None)
@@ -240,8 +228,7 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
         out["inc"] = (out["states"] if odt == torch.float32 else
                       torch.empty(out["states"].shape, device=dev, dtype=torch.float32))
         step_terms.launch(a, out, m)
-        s_cfg = _choose(chunk_state.launch, _state_candidates(pb, m, impl == "scan"), a, out, m,
-                        pb)
+        s_cfg = _choose(chunk_state.launch, _state_candidates(pb, m), a, out, m, pb)
         probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
         o_cfg = _choose(chunk_output.launch, _output_candidates(pb, m), a, probe, m, pb)
         chunk_state.launch(a, out, m, s_cfg)
