@@ -19,9 +19,9 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import triton
 
-from .kernels import chunk_output, chunk_scan, chunk_state, stage0, step_terms
+from .kernels import chunk_output, chunk_state, stage0, step_terms
 
-IMPLS = ("auto", "chunked", "fused", "stage0")
+IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
 _config_cache: Dict[tuple, dict] = {}
 
@@ -51,14 +51,10 @@ class Plan:
     impl: str
     state_cfg: Optional[dict] = None
     output_cfg: Optional[dict] = None
-    scan_cfg: Optional[dict] = None
 
     def describe(self) -> str:
         if self.impl == "stage0":
             return "stage0 (rotary + qk_dot + serial scan per (b, h))"
-        if self.impl == "fused":
-            c = self.scan_cfg
-            return f"fused (chunk_scan K={c['K']} BP={c['BP']} warps={c['num_warps']})"
         s, o = self.state_cfg, self.output_cfg
         return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
                 f"chunk_output BJ={o['BJ']} BP={o['BP']} CPP={o['CPP']})")
@@ -154,26 +150,6 @@ def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     return out
 
 
-def _scan_candidates(pb: Problem, m: dict) -> List[dict]:
-    """chunk_scan configs, preferred first (model dimensions only): the P block keeps the
-    register-resident fp32 state at about 8192 elements."""
-    out = []
-    for budget in (8192, 4096, 2048):
-        bp = min(_pow2(pb.P), max(16, budget // _pow2(pb.N)))
-        cfg = dict(BP=bp, num_warps=4 if pb.N * bp <= 4096 else 8, num_stages=1)
-        if cfg not in out:
-            out.append(cfg)
-    return out
-
-
-def superchunk(pb: Problem, nc: int, bp: int) -> int:
-    """Chunks per superchunk of the fused path: the fewest that still give about 1024 output
-    programs (more chunks per superchunk: less fp32 superchunk traffic, less parallelism).
-    A runtime value: changing it never recompiles."""
-    programs = pb.B * pb.H * triton.cdiv(pb.P, bp)
-    return max(1, min(nc, (nc * programs) // 1024))
-
-
 def _fits(launch, a, out, m, cfg, limit) -> bool:
     """Compile (without running) and compare the kernel's shared memory with the limit."""
     try:
@@ -248,17 +224,6 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
                           if pb.has_z else out["dmimo_o"])
         stage0.launch(a, out, m)
         dmimo_o, dmimo_z = out["dmimo_o"], out["dmimo_z"]
-    elif impl == "fused":
-        step_terms.launch(a, out, m)
-        cfg = _choose(chunk_scan.launch, _scan_candidates(pb, m), a, out, m, pb)
-        cfg = dict(cfg, K=superchunk(pb, m["nc"], cfg["BP"]))
-        n_sc = triton.cdiv(m["nc"], cfg["K"])
-        out["part_o"] = torch.empty(B * H, n_sc, R, P, device=dev, dtype=torch.float32)
-        out["part_z"] = (torch.empty(B * H, n_sc, R, P, device=dev, dtype=torch.float32)
-                         if pb.has_z else out["part_o"])
-        chunk_scan.launch(a, out, m, cfg)
-        dmimo_o = out["part_o"].view(B, H, n_sc, R, P).sum(2)
-        dmimo_z = out["part_z"].view(B, H, n_sc, R, P).sum(2) if pb.has_z else None
     else:
         out["inc"] = (out["states"] if odt == torch.float32 else
                       torch.empty(out["states"].shape, device=dev, dtype=torch.float32))

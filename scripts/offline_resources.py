@@ -87,19 +87,5 @@ def sweep(dims, state_cfgs, output_cfgs):
         api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
 
 
-
-def sweep_scan(dims, scan_cfgs):
-    """Print chunk_scan's resources (superchunk pass, then output pass) for each config."""
-    JITFunction.run = _compile
-    dispatch.check_device = lambda device: None
-    s = Shape(*dims)
-    a = make_inputs(s, torch.bfloat16, seed=0)
-    a.pop("adt")
-    for cfg in scan_cfgs:
-        print("scan", cfg)
-        dispatch._scan_candidates = lambda pb, m, cfg=cfg: [cfg]
-        api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="fused")
-
-
 if __name__ == "__main__":
     main()

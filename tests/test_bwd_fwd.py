@@ -248,23 +248,3 @@ def test_chunk_groups_with_a_partial_last_group(monkeypatch):
     args, golden, bench = problem(shape, FP32, True, True)
     check_outputs(run_op(args, "chunked"), golden, bench, FP32)
     dispatch._config_cache.clear()
-
-
-# ---------------------------------------------------------------------------- superchunks
-
-
-@pytest.mark.parametrize("K", [2, 3, 5, 7])
-def test_superchunks_of_the_fused_path(monkeypatch, K):
-    """The fused path with K chunks per superchunk over 5 chunks (a tail of 75 steps) and two P
-    blocks: superchunk increments, their state passing and a partial (or single) last
-    superchunk. The dispatcher's K follows B*H, so small test shapes alone would only see K = 1."""
-    from mamba3_mimo import dispatch
-    monkeypatch.setattr(dispatch, "superchunk", lambda pb, nc, bp: K)
-    monkeypatch.setattr(dispatch, "_scan_candidates",
-                        lambda pb, m: [dict(BP=16, num_warps=4, num_stages=1)])
-    dispatch._config_cache.clear()
-    shape = Shape(2, 75, 2, 1, 16, 32, 2, 16)
-    for z_gate in (True, False):
-        args, golden, bench = problem(shape, FP32, z_gate, True)
-        check_outputs(run_op(args, "fused"), golden, bench, FP32)
-    dispatch._config_cache.clear()

@@ -28,14 +28,6 @@ def chunk_rows(TP: tl.constexpr, RP: tl.constexpr):
 
 
 @triton.jit
-def loop_rows(i, TP: tl.constexpr, RP: tl.constexpr):
-    """chunk_rows computed from a loop counter i (the same values on every iteration), so that
-    what is built from them is not hoisted out of the loop as loop-invariant."""
-    row = tl.arange(0, TP * RP) + i * (TP * RP)
-    return (row // RP) % TP, row % RP
-
-
-@triton.jit
 def trap_terms(dt_ptr, trap_ptr, t, t_mask, S_pad):
     """gamma[t] = dt[t] sigmoid(trap[t]); trap_scale[t] = gamma[t] + dt[t+1] sigmoid(-trap[t+1]).
 
@@ -79,9 +71,13 @@ def sum_rows(x, TP: tl.constexpr, RP: tl.constexpr, OVER_TIME: tl.constexpr):
 
 
 @triton.jit
-def load_pair(x_ptr, row_off, row_mask, bias_ptr, bias_off, j0, BJ: tl.constexpr, HALF,
-              stride_n):
-    """Bias-added pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles (0 past HALF)."""
+def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
+                 HALF, stride_n, ROTATE: tl.constexpr):
+    """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles.
+
+    rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j].
+    ROTATE=False skips the rotation for blocks that hold no rotated pair.
+    """
     j = j0 + tl.arange(0, BJ)
     m = row_mask[:, None] & (j < HALF)[None, :]
     c1 = j[None, :] * stride_n
@@ -90,34 +86,9 @@ def load_pair(x_ptr, row_off, row_mask, bias_ptr, bias_off, j0, BJ: tl.constexpr
     x2 = tl.load(x_ptr + row_off[:, None] + c2, mask=m, other=0.0).to(tl.float32)
     x1 += tl.load(bias_ptr + bias_off[:, None] + j[None, :], mask=m, other=0.0)
     x2 += tl.load(bias_ptr + bias_off[:, None] + (HALF + j)[None, :], mask=m, other=0.0)
-    return x1, x2
-
-
-@triton.jit
-def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
-                 HALF, stride_n, ROTATE: tl.constexpr):
-    """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles.
-
-    rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j].
-    ROTATE=False skips the rotation for blocks that hold no rotated pair.
-    """
-    x1, x2 = load_pair(x_ptr, row_off, row_mask, bias_ptr, bias_off, j0, BJ, HALF, stride_n)
     if ROTATE:
         return cos * x1 - sin * x2, sin * x1 + cos * x2
     return x1, x2
-
-
-@triton.jit
-def load_rotated_half(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, BJ: tl.constexpr,
-                      HALF, stride_n, SECOND: tl.constexpr):
-    """One half of load_rotated over pairs 0..BJ: rot(x)[:HALF] or, with SECOND, rot(x)[HALF:]
-    (one fp32 tile; the other half is not kept live)."""
-    x1, x2 = load_pair(x_ptr, row_off, row_mask, bias_ptr, bias_off, 0, BJ, HALF, stride_n)
-    if SECOND:
-        y = sin * x1 + cos * x2
-    else:
-        y = cos * x1 - sin * x2
-    return y
 
 
 @triton.jit
