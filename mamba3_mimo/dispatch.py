@@ -51,13 +51,14 @@ class Plan:
     impl: str
     state_cfg: Optional[dict] = None
     output_cfg: Optional[dict] = None
+    tile_chunks: int = 1
 
     def describe(self) -> str:
         if self.impl == "stage0":
             return "stage0 (rotary + qk_dot + serial scan per (b, h))"
         s, o = self.state_cfg, self.output_cfg
         return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
-                f"chunk_output BJ={o['BJ']} BP={o['BP']} CPP={o['CPP']})")
+                f"chunk_output BJ={o['BJ']} BP={o['BP']} U={self.tile_chunks})")
 
 
 def interpreter_active() -> bool:
@@ -107,10 +108,19 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(x))
 
 
+def output_tile_chunks(C: int, R: int) -> int:
+    """Chunks per chunk_output tile: as many as keep the tile at about 64 (step, rank) rows (the
+    wgmma tile height), at least one. C=8, R=4 gives 2; the other official shapes have 64 rows
+    per chunk already (docs/optimisation.md, step 14)."""
+    return max(1, 64 // (_pow2(C, 1) * _pow2(R, 1)))
+
+
 def _meta(pb: Problem) -> dict:
     TP = _pow2(pb.C, 1)
     RP = _pow2(pb.R, 1)
     TP = max(TP, 16 // RP)  # a chunk tile has at least 16 rows, the smallest dot size
+    U = output_tile_chunks(pb.C, pb.R)
+    TPO = max(_pow2(U * pb.C, 1), 16 // RP)
     if interpreter_active():
         prec = exact = "ieee"
     else:
@@ -121,8 +131,8 @@ def _meta(pb: Problem) -> dict:
         exact = "tf32x3"
     nc = triton.cdiv(pb.S, pb.C)
     return dict(B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc, H=pb.H, G=pb.G, N=pb.N, P=pb.P, R=pb.R,
-                C=pb.C, RD=pb.RD, TP=TP, RP=RP, HAS_Z=pb.has_z, HAS_D=pb.has_d, PREC=prec,
-                EXACT=exact)
+                C=pb.C, RD=pb.RD, TP=TP, RP=RP, U=U, TPO=TPO, HAS_Z=pb.has_z, HAS_D=pb.has_d,
+                PREC=prec, EXACT=exact)
 
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:
@@ -134,17 +144,14 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
-    """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md step 7):
-    one chunk per program (CPP = 1), 32-pair N blocks (16 when N/2 is smaller), 64-column P
-    blocks, 4 warps, on every shape of the official grid. Since the per-step terms moved out of
-    the kernel, the pipelined four-chunk loop of step 5 is slower everywhere (CPP stays a
-    parameter of the kernel for such experiments). The shared-memory check falls back to
-    narrower blocks on smaller GPUs."""
+    """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md steps
+    7 and 11): 32-pair N blocks (16 when N/2 is smaller), 64-column P blocks, 4 warps, on every
+    shape of the official grid. The shared-memory check falls back to narrower blocks on
+    smaller GPUs. (The chunks per tile, meta["U"], follow C and R alone.)"""
     half = pb.N // 2
     out = []
     for BJ, BP in ((32, 64), (16, 32), (16, 16)):
-        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), CPP=1, num_warps=4,
-                   num_stages=1)
+        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4, num_stages=1)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -164,7 +171,7 @@ def _fits(launch, a, out, m, cfg, limit) -> bool:
 def select(pb: Problem) -> Plan:
     """The plan "auto" runs for this problem (configs before the shared-memory check)."""
     m = _meta(pb)
-    return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0])
+    return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0], m["U"])
 
 
 def _choose(launch, candidates, a, out, m, pb) -> dict:
@@ -232,7 +239,7 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
         probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
         o_cfg = _choose(chunk_output.launch, _output_candidates(pb, m), a, probe, m, pb)
         chunk_state.launch(a, out, m, s_cfg)
-        groups = triton.cdiv(m["nc"], o_cfg["CPP"])
+        groups = triton.cdiv(m["nc"], m["U"])
         out["part_o"] = torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
         out["part_z"] = (torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
                          if pb.has_z else out["part_o"])

@@ -61,7 +61,7 @@ def main():
                 ms = bench(lambda: chunk_output.launch(p, out, m, cfg))
                 # the config's outputs against the dispatcher's (needs out["inc"] = the fp32
                 # states, left there by the state configs above)
-                groups = triton.cdiv(m["nc"], cfg["CPP"])
+                groups = triton.cdiv(m["nc"], m["U"])
                 bh = s.B * s.H
                 po = out["part_o"].view(-1)[:bh * groups * s.R * s.P].view(bh, groups, s.R, s.P)
                 pairs = ((out["dz"], ref[4]), (out["qk_dot"], ref[1]),

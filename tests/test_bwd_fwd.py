@@ -229,22 +229,20 @@ def test_output_and_trap_dtypes(dtype, output_dtype, trap_dtype, impl):
     check_outputs(outs, golden, bench, dtype, output_dtype)
 
 
-# ---------------------------------------------------------------------------- chunk groups
+# ---------------------------------------------------------------------------- output tiles
 
 
-def test_chunk_groups_with_a_partial_last_group(monkeypatch):
-    """chunk_output with CPP = 3 chunks per program over 5 chunks: the last group holds chunks
-    past the end, which must load and write nothing (a kernel parameter for experiments; the
-    dispatcher now picks CPP = 1)."""
+@pytest.mark.parametrize("U", [2, 3, 8])
+@pytest.mark.parametrize("output_dtype", [FP32, torch.bfloat16], ids=["out_fp32", "out_bf16"])
+def test_output_tiles_of_several_chunks(monkeypatch, U, output_dtype):
+    """chunk_output with tiles of U chunks over 5 chunks and a tail (S = 75, C = 16): the last
+    tile is partial (or, for U = 8, the only one), cross-chunk weights come from step_terms'
+    LOG_Q / LOG_K, and with a narrower output the fp32 state copy exists only at tile starts.
+    The dispatcher's U follows C and R, so most test shapes would see only its own choice."""
     from mamba3_mimo import dispatch
-    base = dispatch._output_candidates
-
-    def grouped(pb, m):
-        return [dict(cfg, CPP=3) for cfg in base(pb, m)]
-
-    monkeypatch.setattr(dispatch, "_output_candidates", grouped)
-    dispatch._config_cache.clear()
-    shape = Shape(1, 80, 2, 1, 16, 16, 2, 16)
-    args, golden, bench = problem(shape, FP32, True, True)
-    check_outputs(run_op(args, "chunked"), golden, bench, FP32)
-    dispatch._config_cache.clear()
+    monkeypatch.setattr(dispatch, "output_tile_chunks", lambda C, R: U)
+    shape = Shape(2, 75, 2, 1, 16, 16, 2, 16)
+    for z_gate in (True, False):
+        args, golden, bench = problem(shape, FP32, z_gate, True)
+        check_outputs(run_op(args, "chunked", output_dtype=output_dtype), golden, bench, FP32,
+                      output_dtype)

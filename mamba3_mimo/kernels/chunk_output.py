@@ -1,16 +1,18 @@
-"""Production output pass: raw_y of every chunk in parallel, then qk_dot, dz and the per-rank
-partial sums of dmimo_o / dmimo_z.
+"""Production output pass: raw_y of every tile of U consecutive chunks in parallel, then qk_dot,
+dz and the per-rank partial sums of dmimo_o / dmimo_z.
 
-Grid (B*H, chunk groups, P blocks); a program handles CPP consecutive chunks. For each chunk:
-scores = Qr Kr^T and inter = Qr states[c] accumulate over N-pair blocks, then
-raw_y = (scores * causal weights) psi_v + exp(da_cs) inter + D psi_v.
+Grid (B*H, tiles, P blocks). For each tile: scores = Qr Kr^T and inter = Qr states[first chunk]
+accumulate over N-pair blocks, then raw_y = (scores * causal weights) psi_v + exp(decay since
+the tile's start) inter + D psi_v. A tile of U > 1 chunks is the chunked form with chunk U*C:
+the same sums, with the state read once per tile; the dispatcher picks U so that a tile has
+about 64 (step, rank) rows.
 """
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, dot, mac, gate_epilogue, head_params, intra_weights,
-                     load_cos_sin, load_psi_v, load_rotated, store_qk_dot, store_rank_sums)
-from .step_terms import GAMMA, Q_DECAY, TRAP_SCALE
+from .common import (chunk_rows, dot, mac, gate_epilogue, head_params, load_cos_sin, load_psi_v,
+                     load_rotated, store_qk_dot, store_rank_sums, tile_weights)
+from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 
 @triton.jit
@@ -18,7 +20,7 @@ def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_
                 qb_ptr, kb_ptr, bias_off, st, p, pm, j0, HALF, RD, sqn, skn, P, BJ: tl.constexpr,
                 ROTATE: tl.constexpr, PREC: tl.constexpr):
     """scores += Qr Kr^T and inter += Qr states over the pair columns j0..j0+BJ; pm says which
-    state columns to load (none for a chunk past the end, which a group of CPP chunks can hold)."""
+    state columns to load."""
     cos, sin = 0.0, 0.0
     if ROTATE:
         cos, sin = load_cos_sin(cos_ptr, sin_ptr, cs_off, rows, j0, BJ, RD)
@@ -35,90 +37,90 @@ def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_
     return scores, mac(mac(inter, q1, st1, PREC), q2, st2, PREC)
 
 
-@triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_groups", "sqb", "skb", "svb",
+@triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "sqb", "skb", "svb",
                                "sgb", "sgh"])
 def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
                         sin, segsum, states, qk_dot, dz, part_o, part_z,
-                        S, S_pad, plane, nc, n_groups, H, HG, sqb, sqs, sqr, sqg, sqn,
+                        S, S_pad, plane, nc, n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn,
                         skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
                         N: tl.constexpr, P: tl.constexpr, C,
                         TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                        CPP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+                        U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr):
+    """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps."""
     bh = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1).to(tl.int64)
+    o = tl.program_id(1).to(tl.int64)
     pid_p = tl.program_id(2)
     b, h = bh // H, bh % H
     g = h // HG
     t, r = chunk_rows(TP, RP)
-    rank_ok = (t < C) & (r < R)
     tt = tl.arange(0, TP)
+    t0 = o * U * C  # the tile's first step
+    steps = tl.minimum(U * C, S_pad - t0)  # steps of the tile that exist
+    rows = (t < steps) & (r < R)
+    tg = t0 + t
     p = pid_p * BP + tl.arange(0, BP)
     pm = p < P
     row = bh * S_pad
-    vb = v + b * svb + h * svh
-    acc_o = tl.zeros([RP, BP], dtype=tl.float32)
-    acc_z = tl.zeros([RP, BP], dtype=tl.float32)
-    for i in range(CPP):
-        c = grp * CPP + i
-        rows = rank_ok & (c < nc)
-        tg = c * C + t
-        t_ok = (tt < C) & (c < nc)
-        scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
-        inter = tl.zeros([TP * RP, BP], dtype=tl.float32)
-        st = states + (bh * nc + c) * N * P
-        qx, q_off = q + b * sqb + g * sqg, tg * sqs + r * sqr
-        kx, k_off = k + b * skb + g * skg, tg * sks + r * skr
-        # Unrolled: the loads of every pair block are issued together, so the program waits
-        # for memory about once instead of once per block (docs/optimisation.md, step 3).
-        for j0 in tl.static_range(0, HALF, BJ):
-            scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, cos + row * RD,
-                                        sin + row * RD, tg * RD, rows, q_bias + h * R * N,
-                                        k_bias + h * R * N, r * N, st, p, pm & (c < nc), j0,
-                                        HALF, RD, sqn, skn, P, BJ, j0 < RD, PREC)
-        store_qk_dot(qk_dot + (bh * S + c * C) * R * R, scores, t, r,
-                     rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT, True)
-        gamma = tl.load(terms + GAMMA * plane + row + tg, mask=rows, other=0.0)
-        trap_scale = tl.load(terms + TRAP_SCALE * plane + row + tg, mask=rows, other=0.0)
-        w = intra_weights(segsum + b * sgb + h * sgh + c * sgc, t, t, rows, rows, C, gamma,
-                          trap_scale)
-        psi_v = load_psi_v(vb, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm, P, svp)
-        q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
-        raw = dot(scores * w, psi_v, PREC) + q_decay[:, None] * inter
-        # Phi and Zeta are loaded only now: live through the N loop they cost registers
-        phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rank_ok, p, pm, R, P, HAS_Z, HAS_D)
-        if HAS_D:
-            raw += d_h * psi_v
-        part_o_c, part_z_c = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
-                                           tg * svs, rows, phi, zeta, p, pm, svp,
-                                           dz + (b * S * H + h) * P, (c * C + tt) * H * P,
-                                           t_ok & (c * C + tt < S), TP, RP, HAS_Z, EXACT, True)
-        acc_o += part_o_c
-        acc_z += part_z_c
-    part = (bh * n_groups + grp) * R * P
-    store_rank_sums(part_o + part, part_z + part, acc_o, acc_z, R, p, pm, P, RP, HAS_Z)
+    scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
+    inter = tl.zeros([TP * RP, BP], dtype=tl.float32)
+    st = states + (bh * nc + o * U) * N * P
+    qx, q_off = q + b * sqb + g * sqg, tg * sqs + r * sqr
+    kx, k_off = k + b * skb + g * skg, tg * sks + r * skr
+    # Unrolled: the loads of every pair block are issued together, so the program waits for
+    # memory about once instead of once per block (docs/optimisation.md, step 3).
+    for j0 in tl.static_range(0, HALF, BJ):
+        scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, cos + row * RD,
+                                    sin + row * RD, tg * RD, rows, q_bias + h * R * N,
+                                    k_bias + h * R * N, r * N, st, p, pm, j0, HALF, RD, sqn,
+                                    skn, P, BJ, j0 < RD, PREC)
+    store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r, rows & (tg < S) & (pid_p == 0),
+                 R, RP, TP * RP, EXACT, True)
+    gamma = tl.load(terms + GAMMA * plane + row + tg, mask=rows, other=0.0)
+    trap_scale = tl.load(terms + TRAP_SCALE * plane + row + tg, mask=rows, other=0.0)
+    log_q, log_k = 0.0, 0.0
+    if U > 1:
+        log_q = tl.load(terms + LOG_Q * plane + row + tg, mask=rows, other=0.0)
+        log_k = tl.load(terms + LOG_K * plane + row + tg, mask=rows, other=0.0)
+    w = tile_weights(segsum + b * sgb + h * sgh + o * U * sgc, log_q, log_k, t, rows, C, gamma,
+                     trap_scale, U)
+    psi_v = load_psi_v(v + b * svb + h * svh, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm,
+                       P, svp)
+    q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
+    raw = dot(scores * w, psi_v, PREC) + q_decay[:, None] * inter
+    # Phi and Zeta are loaded only now: live through the N loop they cost registers
+    phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rows, p, pm, R, P, HAS_Z, HAS_D)
+    if HAS_D:
+        raw += d_h * psi_v
+    sum_o, sum_z = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh, tg * svs,
+                                 rows, phi, zeta, p, pm, svp, dz + (b * S * H + h) * P,
+                                 (t0 + tt) * H * P, (tt < steps) & (t0 + tt < S), TP, RP, HAS_Z,
+                                 EXACT, True)
+    part = (bh * n_tiles + o) * R * P
+    store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
 
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write qk_dot, dz and the dmimo partial sums, reading the fp32 states from out["inc"]
     (chunk_state's result) and step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ,
-    BP, CPP, num_warps, num_stages.
+    BP, num_warps, num_stages; meta["U"] the chunks per tile, meta["TPO"] its padded steps.
 
-    out["part_o"], out["part_z"]: [B*H, n_groups, R, P] fp32 scratch, n_groups = cdiv(nc, CPP).
+    out["part_o"], out["part_z"]: [B*H, n_tiles, R, P] fp32 scratch, n_tiles = cdiv(nc, U).
     """
     m = meta
     B, H = m["B"], m["H"]
-    n_groups = triton.cdiv(m["nc"], cfg["CPP"])
-    grid = (B * H, n_groups, triton.cdiv(m["P"], cfg["BP"]))
+    n_tiles = triton.cdiv(m["nc"], m["U"])
+    grid = (B * H, n_tiles, triton.cdiv(m["P"], cfg["BP"]))
     seg = a["segsum"]
     kernel = chunk_output_kernel.warmup if warmup else chunk_output_kernel[grid]
     return kernel(
         a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
         a["mimo_o"], a["mimo_z"], a["d"], out["terms"], out["cos"], out["sin"], seg,
         out["inc"], out["qk_dot"], out["dz"], out["part_o"], out["part_z"],
-        m["S"], m["S_pad"], B * H * m["S_pad"], m["nc"], n_groups, H, H // m["G"],
+        m["S"], m["S_pad"], B * H * m["S_pad"], m["nc"], n_tiles, H, H // m["G"],
         *a["q"].stride(), *a["k"].stride(), *a["v"].stride(), seg.stride(0), seg.stride(1),
-        seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TP"], m["RP"], m["N"] // 2, m["RD"],
-        cfg["BJ"], cfg["BP"], cfg["CPP"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"grid": grid} if warmup else {}))
+        seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],
+        cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"grid": grid} if warmup else {}))

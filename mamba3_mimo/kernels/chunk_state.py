@@ -48,13 +48,13 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
 
 
 @triton.jit(do_not_specialize=["S_pad", "nc"])
-def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, NP_SIZE: tl.constexpr,
+def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.constexpr,
                          BLOCK: tl.constexpr, KEEP_FP32: tl.constexpr):
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], states[0] = 0, on [BLOCK] slices.
 
     inc may alias states (fp32 outputs): each slice is read before it is overwritten. With
-    KEEP_FP32 (narrower outputs) the fp32 state also replaces inc[c], so that chunk_output reads
-    the state at full precision."""
+    KEEP_FP32 (narrower outputs) the fp32 state also replaces inc[c] for the chunks that start a
+    chunk_output tile (c % U == 0), the only ones it reads, at full precision."""
     bh = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
@@ -69,7 +69,7 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, NP_SIZE: tl.constexpr
         running = running * decay + x
         tl.store(states + base + c * NP_SIZE, running.to(states.dtype.element_ty), mask=m)
         if KEEP_FP32:
-            tl.store(inc + base + c * NP_SIZE, running, mask=m)
+            tl.store(inc + base + c * NP_SIZE, running, mask=m & (c % U == 0))
 
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
@@ -93,5 +93,5 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         chunk_increment_kernel[grid](*args, num_warps=cfg["num_warps"])
     pgrid = (B * H, triton.cdiv(N * P, cfg["BLOCK"]))
     state_passing_kernel[pgrid](out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"],
-                                m["C"], N * P, cfg["BLOCK"],
+                                m["C"], m["U"], N * P, cfg["BLOCK"],
                                 out["inc"].data_ptr() != out["states"].data_ptr(), num_warps=4)

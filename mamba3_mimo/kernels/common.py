@@ -109,14 +109,41 @@ def head_params(mimo_o, mimo_z, d, h, r, row_ok, p, p_mask, R, P, HAS_Z: tl.cons
 
 
 @triton.jit
+def _causal_mix(expo, before, same, gamma_row, trap_scale_col):
+    """exp(expo) trap_scale[t'] where `before`, gamma[t] where `same`, 0 elsewhere."""
+    w = tl.where(before, tl.exp(expo) * trap_scale_col[None, :], 0.0)
+    return tl.where(same, gamma_row[:, None] + tl.zeros_like(w), w)
+
+
+@triton.jit
 def intra_weights(seg_ptr, t_row, t_col, mask_row, mask_col, C, gamma_row, trap_scale_col):
     """Causal weight of row (t, r) on column (t', r'): exp(segsum[t, t']) trap_scale[t'] for t' < t,
     gamma[t] on the same step, 0 after. seg_ptr points at the chunk's [C, C] segsum block."""
     before = (t_col[None, :] < t_row[:, None]) & mask_row[:, None] & mask_col[None, :]
     seg = tl.load(seg_ptr + t_row[:, None] * C + t_col[None, :], mask=before, other=0.0)
-    w = tl.where(before, tl.exp(seg) * trap_scale_col[None, :], 0.0)
     same = (t_col[None, :] == t_row[:, None]) & mask_row[:, None] & mask_col[None, :]
-    return tl.where(same, gamma_row[:, None] + tl.zeros_like(w), w)
+    return _causal_mix(seg, before, same, gamma_row, trap_scale_col)
+
+
+@triton.jit
+def tile_weights(seg_ptr, log_q, log_k, t, rows, C, gamma, trap_scale, U: tl.constexpr):
+    """intra_weights over a tile of U consecutive chunks, t the step in the tile.
+
+    Within a chunk the exponent A[t] - A[t'] is segsum (seg_ptr: the tile's first [C, C] block;
+    segsum is contiguous, so chunk k's block follows at k * C * C). Across chunks it is
+    log_q[t] + log_k[t'] (step_terms' LOG_Q, LOG_K: da_cs[t] + da_cs_rev[t'] and the decays of
+    the chunks between), assembled from the given pieces as SPEC section 2 allows."""
+    if U == 1:
+        w = intra_weights(seg_ptr, t, t, rows, rows, C, gamma, trap_scale)
+    else:
+        ok = rows[:, None] & rows[None, :]
+        before = (t[None, :] < t[:, None]) & ok
+        same_chunk = (t // C)[:, None] == (t // C)[None, :]
+        seg = tl.load(seg_ptr + t[:, None] * C + (t % C)[None, :], mask=before & same_chunk,
+                      other=0.0)
+        expo = tl.where(same_chunk, seg, log_q[:, None] + log_k[None, :])
+        w = _causal_mix(expo, before, (t[None, :] == t[:, None]) & ok, gamma, trap_scale)
+    return w
 
 
 @triton.jit

@@ -11,49 +11,73 @@ import triton.language as tl
 
 from .common import rotary_cos_sin, trap_terms
 
-# planes of the `terms` scratch [4, B*H, S_pad]
+# planes of the `terms` scratch [6, B*H, S_pad]
 GAMMA = tl.constexpr(0)
 TRAP_SCALE = tl.constexpr(1)
 K_DECAY = tl.constexpr(2)
 Q_DECAY = tl.constexpr(3)
+LOG_Q = tl.constexpr(4)  # only with U > 1
+LOG_K = tl.constexpr(5)  # only with U > 1
+N_PLANES = 6
 
 
-@triton.jit(do_not_specialize=["S_pad", "n_bh", "sab"])
-def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad, n_bh, H,
-                      sab, sas, sah, san, RD, BS: tl.constexpr, RDP: tl.constexpr):
+@triton.jit(do_not_specialize=["S_pad", "n_bh", "sab", "nc"])
+def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad, n_bh, H, nc, C,
+                      sab, sas, sah, san, RD, BS: tl.constexpr, RDP: tl.constexpr,
+                      U: tl.constexpr):
     """For steps s of one (b, h): terms[GAMMA] = gamma, terms[TRAP_SCALE] = trap_scale,
-    terms[K_DECAY] = trap_scale * exp(da_cs_rev), terms[Q_DECAY] = exp(da_cs); cos/sin [S_pad, RD]
-    of the angles."""
+    terms[K_DECAY] = trap_scale * exp(da_cs_rev), terms[Q_DECAY] = exp(LOG_Q); cos/sin
+    [S_pad, RD] of the angles.
+
+    chunk_output works on tiles of U chunks. Its decays are relative to the start of the tile:
+    LOG_Q[s] = da_cs[s] + D(chunks of the tile before s's chunk), and across chunks of a tile
+    the exponent A[t] - A[t'] = LOG_Q[t] + LOG_K[t'] with
+    LOG_K[t'] = da_cs_rev[t'] - D(chunks of the tile up to t''s chunk), D(...) the sum of those
+    chunks' da_cs at their last step. With U = 1, LOG_Q = da_cs and LOG_K is not needed."""
     bh = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BS + tl.arange(0, BS)
     m = s < S_pad
     row = bh * S_pad
     gamma, trap_scale = trap_terms(dt + row, trap + row, s, m, S_pad)
     rev = tl.load(da_cs_rev + row + s, mask=m, other=0.0)
-    a = tl.load(da_cs + row + s, mask=m, other=0.0)
+    log_q = tl.load(da_cs + row + s, mask=m, other=0.0)
     plane = n_bh * S_pad
+    if U > 1:
+        c = s // C
+        sub = c % U
+        before = tl.zeros_like(log_q)  # D of the tile's chunks before s's chunk
+        upto = tl.zeros_like(log_q)  # ... and up to it
+        for i in tl.static_range(U):
+            ci = c - sub + i
+            d_i = tl.load(da_cs + row + ci * C + C - 1, mask=m & (ci < nc), other=0.0)
+            before += tl.where(i < sub, d_i, 0.0)
+            upto += tl.where(i <= sub, d_i, 0.0)
+        log_q += before
+        tl.store(terms + LOG_Q * plane + row + s, log_q, mask=m)
+        tl.store(terms + LOG_K * plane + row + s, rev - upto, mask=m)
     tl.store(terms + GAMMA * plane + row + s, gamma, mask=m)
     tl.store(terms + TRAP_SCALE * plane + row + s, trap_scale, mask=m)
     tl.store(terms + K_DECAY * plane + row + s, trap_scale * tl.exp(rev), mask=m)
-    tl.store(terms + Q_DECAY * plane + row + s, tl.exp(a), mask=m)
+    tl.store(terms + Q_DECAY * plane + row + s, tl.exp(log_q), mask=m)
     b, h = bh // H, bh % H
-    c, sn = rotary_cos_sin(angles + b * sab + h * sah, s * sas, m, 0, RDP, RD, san)
+    cs, sn = rotary_cos_sin(angles + b * sab + h * sah, s * sas, m, 0, RDP, RD, san)
     j = tl.arange(0, RDP)
     off = (row + s)[:, None] * RD + j[None, :]
     jm = m[:, None] & (j < RD)[None, :]
-    tl.store(cos + off, c, mask=jm)
+    tl.store(cos + off, cs, mask=jm)
     tl.store(sin + off, sn, mask=jm)
 
 
 def launch(a: dict, out: dict, meta: dict) -> None:
-    """Fill out["terms"] [4, B*H, S_pad], out["cos"] and out["sin"] [B*H, S_pad, RD] (fp32)."""
+    """Fill out["terms"] [N_PLANES, B*H, S_pad], out["cos"] and out["sin"] [B*H, S_pad, RD]
+    (fp32), for chunk_output tiles of meta["U"] chunks."""
     m = meta
     n_bh, S_pad, RD = m["B"] * m["H"], m["S_pad"], m["RD"]
-    out["terms"] = torch.empty(4, n_bh, S_pad, device=a["dt"].device, dtype=torch.float32)
+    out["terms"] = torch.empty(N_PLANES, n_bh, S_pad, device=a["dt"].device, dtype=torch.float32)
     out["cos"] = torch.empty(n_bh, S_pad, RD, device=a["dt"].device, dtype=torch.float32)
     out["sin"] = torch.empty_like(out["cos"])
     BS = 32
     step_terms_kernel[(n_bh, triton.cdiv(S_pad, BS))](
         a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
-        out["sin"], S_pad, n_bh, m["H"], *a["angles"].stride(), RD, BS,
-        triton.next_power_of_2(RD))
+        out["sin"], S_pad, n_bh, m["H"], m["nc"], m["C"], *a["angles"].stride(), RD, BS,
+        triton.next_power_of_2(RD), m["U"])
