@@ -179,7 +179,9 @@ def _choose(launch, candidates, a, out, m, pb) -> dict:
     if pb.device.type != "cuda":
         return candidates[0]
     limit = smem_limit(pb.device)
-    key = (launch.__module__, pb.N, pb.P, pb.R, pb.C, pb.RD, pb.dtype, pb.output_dtype,
+    # U sets chunk_output's tile height, hence its shared memory: part of the key even though it
+    # follows from C and R, so that a config is never reused for another tile
+    key = (launch.__module__, pb.N, pb.P, pb.R, pb.C, pb.RD, m["U"], pb.dtype, pb.output_dtype,
            pb.has_z, pb.has_d, pb.device, limit)
     if key not in _config_cache:
         fit = next((c for c in candidates if _fits(launch, a, out, m, c, limit)), None)

@@ -232,16 +232,18 @@ def test_output_and_trap_dtypes(dtype, output_dtype, trap_dtype, impl):
 # ---------------------------------------------------------------------------- output tiles
 
 
-@pytest.mark.parametrize("U", [2, 3, 8])
+@pytest.mark.parametrize("U, C, S", [(2, 16, 75), (3, 16, 75), (8, 4, 19)],
+                         ids=["U2", "U3", "U8_one_tile"])
 @pytest.mark.parametrize("output_dtype", [FP32, torch.bfloat16], ids=["out_fp32", "out_bf16"])
-def test_output_tiles_of_several_chunks(monkeypatch, U, output_dtype):
-    """chunk_output with tiles of U chunks over 5 chunks and a tail (S = 75, C = 16): the last
-    tile is partial (or, for U = 8, the only one), cross-chunk weights come from step_terms'
-    LOG_Q / LOG_K, and with a narrower output the fp32 state copy exists only at tile starts.
-    The dispatcher's U follows C and R, so most test shapes would see only its own choice."""
+def test_output_tiles_of_several_chunks(monkeypatch, U, C, S, output_dtype):
+    """chunk_output with tiles of U chunks over 5 chunks and a tail: the last tile is partial
+    (or, for U = 8, the only one; C = 4 keeps that tile at 64 rows), cross-chunk weights come
+    from step_terms' LOG_Q / LOG_K, and with a narrower output the fp32 state copy exists only
+    at tile starts. The dispatcher's U follows C and R, so most test shapes would see only its
+    own choice."""
     from mamba3_mimo import dispatch
     monkeypatch.setattr(dispatch, "output_tile_chunks", lambda C, R: U)
-    shape = Shape(2, 75, 2, 1, 16, 16, 2, 16)
+    shape = Shape(2, S, 2, 1, 16, 16, 2, C)
     for z_gate in (True, False):
         args, golden, bench = problem(shape, FP32, z_gate, True)
         check_outputs(run_op(args, "chunked", output_dtype=output_dtype), golden, bench, FP32,
