@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one script run on the H200 through the device tool: GPU tests and/or the benchmark.
-# Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all] [extra bench options]
+# Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all|sanitize] [extra bench options]
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
-# $OUT/bench/results.{json,md,png}. Nothing is installed: the package runs from the tree
+# $OUT/bench/results.{json,md,png} (sanitize: $OUT/sanitize_{bf16,fp16,fp32}.log). Nothing is installed: the package runs from the tree
 # (PYTHONPATH), with the machine's python3, torch and triton. The device machine's copy of .git
 # can be stale: pass the commit, MAMBA3_GIT_COMMIT=<hash>, for the benchmark's records.
 set -o pipefail
@@ -10,8 +10,8 @@ set -o pipefail
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$part" in
-  tests|bench|all) ;;
-  *) echo "usage: OUT=DIR $0 [tests|bench|all] [bench options]" >&2; exit 2 ;;
+  tests|bench|all|sanitize) ;;
+  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize] [bench options]" >&2; exit 2 ;;
 esac
 if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
   echo "OUT must name an existing folder (got '${OUT:-}')" >&2
@@ -28,6 +28,20 @@ print("torch", torch.__version__, "cuda", torch.version.cuda); print("triton", t
 } 2>&1 | tee "$OUT/env.txt"
 
 status=0
+if [ "$part" = sanitize ]; then
+  # compute-sanitizer memcheck over the production path on small shapes, one process per input
+  # dtype, side by side (about 4 minutes on the H200, mostly compilation)
+  cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  pids=()
+  for d in bf16 fp16 fp32; do
+    "$cs" --tool memcheck --print-limit 5 "$PY" scripts/sanitize.py "$d" \
+      > "$OUT/sanitize_$d.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+  grep -H "ERROR SUMMARY" "$OUT"/sanitize_*.log
+  exit "$status"
+fi
 if [ "$part" != bench ]; then
   # One process per test file: a CUDA fault poisons its process's context, and would otherwise
   # fail every later test of the run with the same error. The files run side by side (their
