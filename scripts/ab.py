@@ -1,0 +1,137 @@
+"""A/B of production-path variants on a GPU, one process per (round, variant) so that a CUDA fault
+in one variant cannot poison the others: end-to-end median time on official shapes, the
+registers and spills of each launched kernel, and (first round only) the errors against the
+float64 golden on the test sweep's shapes (bf16 inputs, Z and D on, fp32 outputs).
+
+Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
+(filter "" = every official shape; "none" = none, e.g. for a CPU dry run with TRITON_INTERPRET=1)
+VARIANTS_JSON: a list of {"name": str, "meta": {...}, "state_cfg": {...}, "output_cfg": {...}};
+"meta" overrides entries of dispatch._meta (e.g. {"PREC": "bf16x3"}), a cfg overrides entries of
+the first candidate of that kernel's list (e.g. {"BP": 64}; the fallbacks stay). The first
+variant is the baseline.
+Writes $OUT/ab.json and prints the comparison table.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def apply(variant: dict) -> None:
+    """Patch the dispatcher so that `impl="chunked"` runs this variant."""
+    from mamba3_mimo import dispatch
+    meta, states, outputs = dispatch._meta, dispatch._state_candidates, dispatch._output_candidates
+    dispatch._meta = lambda pb: dict(meta(pb), **variant.get("meta", {}))
+    for key, orig, name in (("state_cfg", states, "_state_candidates"),
+                            ("output_cfg", outputs, "_output_candidates")):
+        if key in variant:
+            setattr(dispatch, name, lambda pb, m, orig=orig, over=variant[key]:
+                    [dict(orig(pb, m)[0], **over)] + orig(pb, m)[1:])
+
+
+def launched_kernels() -> list:
+    """Record (name, registers, spills) of every compiled kernel launched from now on."""
+    from test_gpu import kernel_functions
+    log = []
+    for fn in kernel_functions():
+        def run(*args, _orig=fn.run, _fn=fn, grid, warmup, **kwargs):
+            kernel = _orig(*args, grid=grid, warmup=warmup, **kwargs)
+            if not warmup:
+                k = kernel.result() if hasattr(kernel, "result") else kernel
+                log.append((_fn.__name__, k.n_regs, k.n_spills))
+            return kernel
+        fn.run = run
+    return log
+
+
+def measure(variant: dict, shape_filter: str, check: bool) -> dict:
+    """Time one variant in this process; with `check`, also its errors on the sweep."""
+    import triton
+    from conftest import THRESHOLDS, rel_rms
+    from mamba3_mimo import api
+    from mamba3_mimo.inputs import make_inputs, official_shapes
+    from mamba3_mimo.reference import bwd_fwd_reference
+    from test_bwd_fwd import _sweep_shapes
+
+    apply(variant)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run in the interpreter
+    log = launched_kernels() if dev == "cuda" else []
+    res = dict(name=variant["name"], times={}, kernels={}, worst_err_over_thr=0.0, errors={})
+    for s in official_shapes():
+        if shape_filter not in s.name:
+            continue
+        a = make_inputs(s, torch.bfloat16, device=dev, seed=1)
+        a.pop("adt")
+        log.clear()
+        api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
+        res["kernels"][s.name] = sorted(set(log))
+        res["times"][s.name] = triton.testing.do_bench(
+            lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"), rep=25,
+            return_mode="median")
+    names = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
+    for s in _sweep_shapes() if check else []:
+        a = make_inputs(s, torch.bfloat16, device=dev, seed=7)
+        a.pop("adt")
+        golden = bwd_fwd_reference(**a)
+        outs = api.bwd_fwd(**a, impl="chunked")
+        errs = {n: rel_rms(x, g) for n, x, g in zip(names, outs, golden)}
+        res["errors"][f"{s.name}_S{s.S}_G{s.G}_rdd{s.rotary_dim_divisor}"] = errs
+        res["worst_err_over_thr"] = max(res["worst_err_over_thr"],
+                                        max(errs.values()) / THRESHOLDS[torch.bfloat16])
+    return res
+
+
+def main() -> int:
+    if sys.argv[1] == "--one":
+        res = measure(json.loads(sys.argv[2]), sys.argv[3], sys.argv[4] == "check")
+        print("AB_RESULT " + json.dumps(res), flush=True)
+        return 0
+    variants = json.loads(sys.argv[1])
+    shape_filter = sys.argv[2] if len(sys.argv) > 2 else ""
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    runs = []
+    for r in range(rounds):
+        for v in variants:
+            t0 = time.time()
+            # the errors are deterministic: checked in the first round only
+            p = subprocess.run([sys.executable, __file__, "--one", json.dumps(v), shape_filter,
+                                "check" if r == 0 else "time"],
+                               capture_output=True, text=True, env=env)
+            line = [x for x in p.stdout.splitlines() if x.startswith("AB_RESULT ")]
+            run = (json.loads(line[0][10:]) if line else
+                   dict(name=v["name"], failed=(p.stdout + p.stderr)[-2000:]))
+            run.update(round=r, wall_s=time.time() - t0)
+            runs.append(run)
+            print(f"round {r} {v['name']}: {'ok' if line else 'FAILED'} "
+                  f"({run['wall_s']:.0f} s)", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "ab.json"), "w") as f:
+        json.dump(dict(variants=variants, runs=runs), f, indent=1)
+    base = variants[0]["name"]
+    ok = [x for x in runs if "times" in x]
+    shapes = sorted({s for x in ok for s in x["times"]})
+    print(f"{'shape':18s}" + "".join(f"{v['name']:>16s}" for v in variants))
+    for s in shapes:
+        med = {}
+        for v in variants:
+            t = sorted(x["times"][s] for x in ok if x["name"] == v["name"] and s in x["times"])
+            med[v["name"]] = t[len(t) // 2] if t else None
+        print(f"{s:18s}" + "".join(
+            f"{'-':>16s}" if med[n] is None else
+            f"{med[n]:9.3f}" + (f" {med[n] / med[base]:5.2f}x" if med.get(base) else "      ")
+            for n in (v["name"] for v in variants)))
+    for v in variants:
+        worst = [x["worst_err_over_thr"] for x in ok if x["name"] == v["name"] and x["errors"]]
+        print(f"{v['name']}: worst error / threshold on the sweep "
+              f"{max(worst) if worst else float('nan'):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
