@@ -5,9 +5,11 @@ float64 golden on the test sweep's shapes (bf16 inputs, Z and D on, fp32 outputs
 
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
 (filter "" = every official shape; "none" = none, e.g. for a CPU dry run with TRITON_INTERPRET=1)
-VARIANTS_JSON: a list of {"name": str, "meta": {...}, "state_cfg": {...}, "output_cfg": {...}};
+VARIANTS_JSON: a list of {"name": str, "meta": {...}, "state_cfg": {...}, "output_cfg": {...},
+"state_min": {...}, "output_min": {...}};
 "meta" overrides entries of dispatch._meta (e.g. {"PREC": "bf16x3"}), a cfg overrides entries of
-the first candidate of that kernel's list (e.g. {"BP": 64}; the fallbacks stay). The first
+the first candidate of that kernel's list (e.g. {"BP": 64}; the fallbacks stay), and
+"state_min" / "output_min" raise entries of it to a lower bound (e.g. {"BP": 32}). The first
 variant is the baseline.
 Writes $OUT/ab.json and prints the comparison table.
 """
@@ -28,11 +30,16 @@ def apply(variant: dict) -> None:
     from mamba3_mimo import dispatch
     meta, states, outputs = dispatch._meta, dispatch._state_candidates, dispatch._output_candidates
     dispatch._meta = lambda pb: dict(meta(pb), **variant.get("meta", {}))
-    for key, orig, name in (("state_cfg", states, "_state_candidates"),
-                            ("output_cfg", outputs, "_output_candidates")):
-        if key in variant:
-            setattr(dispatch, name, lambda pb, m, orig=orig, over=variant[key]:
-                    [dict(orig(pb, m)[0], **over)] + orig(pb, m)[1:])
+    def first(cfg: dict, over: dict, low: dict) -> dict:
+        cfg = dict(cfg, **over)
+        return dict(cfg, **{k: max(cfg[k], v) for k, v in low.items()})
+
+    for key, orig, name in (("state", states, "_state_candidates"),
+                            ("output", outputs, "_output_candidates")):
+        over, low = variant.get(f"{key}_cfg", {}), variant.get(f"{key}_min", {})
+        if over or low:
+            setattr(dispatch, name, lambda pb, m, orig=orig, over=over, low=low:
+                    [first(orig(pb, m)[0], over, low)] + orig(pb, m)[1:])
 
 
 def launched_kernels() -> list:
