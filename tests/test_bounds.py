@@ -1,4 +1,5 @@
-"""Every address a kernel touches lies inside a tensor it was given (CPU interpreter only).
+"""Every address a kernel touches lies inside a tensor it was given, each access inside one of
+them (CPU interpreter only).
 
 The interpreter does not fault on a stray address, so this wraps its load and store builders and
 checks each active (unmasked) address against the byte ranges of the launch's tensor arguments.
@@ -7,6 +8,8 @@ On a GPU the same property is what compute-sanitizer checks.
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import IMPLS, ON_GPU, op_args, run_op, seed_for
 from mamba3_mimo.inputs import Shape, make_inputs
@@ -32,17 +35,25 @@ def bounds_checked(monkeypatch):
 
     def inside(ptrs, mask, what):
         """The mask with every stray active address switched off (recorded as a violation), so
-        that the access itself stays harmless."""
+        that the access itself stays harmless. One access comes from one base pointer, so its
+        addresses must also lie in a single argument: an index that runs past the end of one
+        tensor into the next argument's memory is a violation too."""
         addr = np.asarray(ptrs.data).astype(np.int64)
         width = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
         active = np.broadcast_to(np.asarray(mask.data).astype(bool), addr.shape)
         ok = np.zeros(addr.shape, dtype=bool)
-        for lo, hi, _ in ranges:
-            ok |= (addr >= lo) & (addr + width <= hi)
+        hit = 0
+        for lo, hi in {(lo, hi) for lo, hi, _ in ranges}:  # views share their storage's range
+            here = (addr >= lo) & (addr + width <= hi)
+            hit += bool((active & here).any())
+            ok |= here
         stray = active & ~ok
+        name = ranges[0][2] if ranges else "?"
         if stray.any():
-            violations.append(f"{ranges[0][2] if ranges else '?'}: {what} outside every "
-                              f"argument ({int(stray.sum())} addresses)")
+            violations.append(f"{name}: {what} outside every argument "
+                              f"({int(stray.sum())} addresses)")
+        if hit > 1:
+            violations.append(f"{name}: one {what} spans {hit} arguments")
         return interp.TensorHandle(active & ok, mask.dtype)
 
     def load(self, ptrs, mask, other, *rest, _orig=interp.InterpreterBuilder.create_masked_load):
@@ -59,8 +70,29 @@ def bounds_checked(monkeypatch):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", [Shape(1, 33, 2, 1, 16, 16, 2, 32), Shape(1, 40, 2, 2, 18, 20, 3, 16),
-                                   Shape(2, 16, 2, 1, 64, 16, 1, 8)], ids=lambda s: f"{s.name}_S{s.S}")
+                                   Shape(2, 16, 2, 1, 64, 16, 1, 8),
+                                   Shape(1, 40, 2, 2, 64, 16, 2, 16, rotary_dim_divisor=2),
+                                   Shape(1, 40, 2, 1, 16, 64, 4, 8)],
+                         ids=lambda s: f"{s.name}_S{s.S}_G{s.G}")
 def test_accesses_stay_inside_arguments(shape, impl, bounds_checked):
     args = op_args(make_inputs(shape, torch.float32, True, True, seed=seed_for(shape, "bounds")))
     run_op(args, impl, output_dtype=torch.bfloat16)
     assert not bounds_checked, "\n".join(bounds_checked[:10])
+
+
+@triton.jit
+def _copy_kernel(src, dst, n_load, n_store, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(dst + i, tl.load(src + i, mask=i < n_load), mask=i < n_store)
+
+
+def test_checker_flags_stray_and_spanning_accesses(bounds_checked):
+    """The checker itself: a load that runs from one argument into the next one's memory, and a
+    store past the end of every argument, are both reported."""
+    buf = np.zeros(64, np.float32)
+    a, b = torch.from_numpy(buf[:32]), torch.from_numpy(buf[32:])  # adjacent storages
+    _copy_kernel[(1,)](a, b, 64, 32, BLOCK=64)
+    assert bounds_checked == ["_copy_kernel: one load spans 2 arguments"]
+    bounds_checked.clear()
+    _copy_kernel[(1,)](b, b, 32, 64, BLOCK=64)
+    assert bounds_checked == ["_copy_kernel: store outside every argument (32 addresses)"]
