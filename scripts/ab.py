@@ -29,7 +29,15 @@ def apply(variant: dict) -> None:
     """Patch the dispatcher so that `impl="chunked"` runs this variant."""
     from mamba3_mimo import dispatch
     meta, states, outputs = dispatch._meta, dispatch._state_candidates, dispatch._output_candidates
-    dispatch._meta = lambda pb: dict(meta(pb), **variant.get("meta", {}))
+
+    def patched(pb):
+        m = meta(pb)
+        unknown = set(variant.get("meta", {})) - set(m)
+        if unknown:  # a misspelt key would otherwise change nothing, silently
+            raise KeyError(f"variant {variant['name']}: no meta entries {sorted(unknown)}")
+        return dict(m, **variant.get("meta", {}))
+
+    dispatch._meta = patched
     def first(cfg: dict, over: dict, low: dict) -> dict:
         cfg = dict(cfg, **over)
         return dict(cfg, **{k: max(cfg[k], v) for k, v in low.items()})
