@@ -130,12 +130,9 @@ def _meta(pb: Problem) -> dict:
         prec = "tf32" if pb.dtype == torch.bfloat16 else "tf32x3"
         exact = "tf32x3"
     nc = triton.cdiv(pb.S, pb.C)
-    # PREC: the dots of chunk_output and stage 0; PREC_STATE: chunk_increment's. The same
-    # today; separate because their register budgets differ (bf16x3 spills in chunk_output
-    # only, optimisation.md step 17)
     return dict(B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc, H=pb.H, G=pb.G, N=pb.N, P=pb.P, R=pb.R,
                 C=pb.C, RD=pb.RD, TP=TP, RP=RP, U=U, TPO=TPO, HAS_Z=pb.has_z, HAS_D=pb.has_d,
-                PREC=prec, PREC_STATE=prec, EXACT=exact)
+                PREC=prec, EXACT=exact)
 
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:

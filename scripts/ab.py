@@ -6,11 +6,12 @@ float64 golden on the test sweep's shapes (bf16 inputs, Z and D on, fp32 outputs
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
 (filter "" = every official shape; "none" = none, e.g. for a CPU dry run with TRITON_INTERPRET=1)
 VARIANTS_JSON: a list of {"name": str, "meta": {...}, "state_cfg": {...}, "output_cfg": {...},
-"state_min": {...}, "output_min": {...}};
+"state_min": {...}, "output_min": {...}, "state_meta": {...}, "output_meta": {...}};
 "meta" overrides entries of dispatch._meta (e.g. {"PREC": "bf16x3"}), a cfg overrides entries of
 the first candidate of that kernel's list (e.g. {"BP": 64}; the fallbacks stay), and
-"state_min" / "output_min" raise entries of it to a lower bound (e.g. {"BP": 32}). The first
-variant is the baseline.
+"state_min" / "output_min" raise entries of it to a lower bound (e.g. {"BP": 32}), and
+"state_meta" / "output_meta" override meta entries for that kernel's launcher only (e.g.
+{"PREC": "bf16x3"} for chunk_increment alone). The first variant is the baseline.
 Writes $OUT/ab.json and prints the comparison table.
 """
 import json
@@ -25,19 +26,27 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
+def _override(m: dict, over: dict, what: str) -> dict:
+    unknown = set(over) - set(m)
+    if unknown:  # a misspelt key would otherwise change nothing, silently
+        raise KeyError(f"{what}: no meta entries {sorted(unknown)}")
+    return dict(m, **over)
+
+
 def apply(variant: dict) -> None:
     """Patch the dispatcher so that `impl="chunked"` runs this variant."""
+    import functools
     from mamba3_mimo import dispatch
+    from mamba3_mimo.kernels import chunk_output, chunk_state
     meta, states, outputs = dispatch._meta, dispatch._state_candidates, dispatch._output_candidates
-
-    def patched(pb):
-        m = meta(pb)
-        unknown = set(variant.get("meta", {})) - set(m)
-        if unknown:  # a misspelt key would otherwise change nothing, silently
-            raise KeyError(f"variant {variant['name']}: no meta entries {sorted(unknown)}")
-        return dict(m, **variant.get("meta", {}))
-
-    dispatch._meta = patched
+    dispatch._meta = lambda pb: _override(meta(pb), variant.get("meta", {}), variant["name"])
+    # meta entries for one kernel only (e.g. its PREC); wraps keeps the launcher's __module__,
+    # which keys the dispatcher's config cache
+    for key, module in (("state_meta", chunk_state), ("output_meta", chunk_output)):
+        if key in variant:
+            module.launch = functools.wraps(module.launch)(
+                lambda a, out, m, *rest, _orig=module.launch, _over=variant[key], **kw:
+                _orig(a, out, _override(m, _over, variant["name"]), *rest, **kw))
     def first(cfg: dict, over: dict, low: dict) -> dict:
         cfg = dict(cfg, **over)
         return dict(cfg, **{k: max(cfg[k], v) for k, v in low.items()})

@@ -2,8 +2,9 @@
 # The one script run on the H200 through the device tool: GPU tests and/or the benchmark.
 # Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all|sanitize] [extra bench options]
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
-# $OUT/bench/results.{json,md,png} (sanitize: $OUT/sanitize_{bf16,fp16,fp32}.log). Nothing is installed: the package runs from the tree
-# (PYTHONPATH), with the machine's python3, torch and triton. The device machine's copy of .git
+# $OUT/bench/results.{json,md,png} (sanitize: $OUT/sanitize_{bf16,fp16,fp32}.log). Nothing is
+# installed: the package runs from the tree (PYTHONPATH), with the machine's python3, torch and
+# triton. The device machine's copy of .git
 # can be stale: pass the commit, MAMBA3_GIT_COMMIT=<hash>, for the benchmark's records.
 set -o pipefail
 

@@ -86,7 +86,7 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"],
             out["inc"], m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb,
             *a["k"].stride(), *a["v"].stride(), m["R"], N, P, m["C"], m["TP"], m["RP"], half,
-            m["RD"], cfg["BJ"], cfg["BP"], m["PREC_STATE"])
+            m["RD"], cfg["BJ"], cfg["BP"], m["PREC"])
     if warmup:
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
     if grid[1] > 0:
