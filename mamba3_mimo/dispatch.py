@@ -137,10 +137,16 @@ def _meta(pb: Problem) -> dict:
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_state configs, preferred first; model dimensions only (never B or S, so a new batch
-    or length never recompiles)."""
+    or length never recompiles).
+
+    The first keeps 64-column P blocks even when P < 64 (masked columns): chunk_increment's dot
+    is psi_v^T [BP, rows] x k_w [rows, BJ], and with fewer than 64 rows in M Triton leaves
+    wgmma for mma.sync, which at P = 32 cost 255 registers, 528 bytes of spill and twice the
+    time (docs/optimisation.md, step 17). The smaller fallbacks are for small shared memory."""
     half = pb.N // 2
-    return [dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4, BLOCK=512)
-            for BJ, BP in ((32, 64), (32, 32), (16, 16))]
+    first = dict(BJ=min(32, _pow2(half)), BP=64, num_warps=4, BLOCK=512)
+    return [first] + [dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4,
+                           BLOCK=512) for BJ, BP in ((32, 32), (16, 16))]
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:

@@ -116,3 +116,21 @@ def test_states_beyond_2_31_elements():
     golden = bwd_fwd_reference(**one, dtype=torch.float64)
     bench = bwd_fwd_reference(**one, dtype=torch.float32)
     check_outputs(last, golden, bench, BF16, output_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [Shape(1, 64, 2, 1, s.N, s.P, s.R, s.C)
+                                   for s in official_shapes()], ids=lambda s: s.name)
+def test_increments_on_wgmma_without_spills(shape, launches):
+    """chunk_increment's dot has BP rows in M; below 64 Triton falls back from wgmma to mma.sync,
+    which at P = 32 took 255 registers, 528 bytes of spill and twice the time
+    (docs/optimisation.md, step 17). On every official model shape the launched kernel uses
+    wgmma (sm_90) and spills nothing."""
+    args = op_args(make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape)))
+    run_op(args)
+    torch.cuda.synchronize()
+    inc = [k for fn, k in launches if fn.__name__ == "chunk_increment_kernel"]
+    assert inc, "chunk_increment_kernel was not launched"
+    for k in inc:
+        assert k.n_spills == 0, f"chunk_increment spills {k.n_spills} bytes ({k.n_regs} registers)"
+        if torch.cuda.get_device_capability()[0] == 9:
+            assert "warp_group_dot" in k.asm["ttgir"], "chunk_increment's dot is not on wgmma"
