@@ -132,7 +132,8 @@ def _meta(pb: Problem) -> dict:
     nc = triton.cdiv(pb.S, pb.C)
     return dict(B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc, H=pb.H, G=pb.G, N=pb.N, P=pb.P, R=pb.R,
                 C=pb.C, RD=pb.RD, TP=TP, RP=RP, U=U, TPO=TPO, HAS_Z=pb.has_z, HAS_D=pb.has_d,
-                PREC=prec, EXACT=exact)
+                PREC=prec, EXACT=exact,
+                OPAQUE=not interpreter_active())  # common.opaque: inline assembly, GPU only
 
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:

@@ -6,26 +6,34 @@ accumulate over N-pair blocks, then raw_y = (scores * causal weights) psi_v + ex
 the tile's start) inter + D psi_v. A tile of U > 1 chunks is the chunked form with chunk U*C:
 the same sums, with the state read once per tile; the dispatcher picks U so that a tile has
 about 64 (step, rank) rows.
+
+inter and raw_y are computed transposed ([BP, rows]): tf32 wgmma reads shared-memory operands
+only K-major, and the state and psi_v tiles arrive P-contiguous, so as B operands they were
+copied into shared memory transposed, with 8-way bank conflicts. As A operands they go to the
+dot from registers instead (docs/optimisation.md, step 18).
 """
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, dot, mac, gate_epilogue, head_params, load_cos_sin, load_psi_v,
-                     load_rotated, store_qk_dot, store_rank_sums, tile_weights)
+from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v,
+                     load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
 from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 
 @triton.jit
 def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_off, rows,
                 qb_ptr, kb_ptr, bias_off, st, p, pm, j0, HALF, RD, sqn, skn, P, BJ: tl.constexpr,
-                ROTATE: tl.constexpr, PREC: tl.constexpr):
-    """scores += Qr Kr^T and inter += Qr states over the pair columns j0..j0+BJ; pm says which
-    state columns to load."""
+                ROTATE: tl.constexpr, PREC: tl.constexpr, OPAQUE: tl.constexpr):
+    """scores += Qr Kr^T and inter^T += states^T Qr^T over the pair columns j0..j0+BJ; pm says
+    which state columns to load."""
     cos, sin = 0.0, 0.0
     if ROTATE:
         cos, sin = load_cos_sin(cos_ptr, sin_ptr, cs_off, rows, j0, BJ, RD)
     q1, q2 = load_rotated(q_ptr, q_off, rows, qb_ptr, bias_off, cos, sin, j0, BJ, HALF, sqn,
                           ROTATE)
+    # rotate, then convert once: otherwise Triton moves the conversion to the dot's register
+    # layout back onto each of the six loads (q, bias, cos, sin)
+    q1, q2 = opaque(q1, OPAQUE), opaque(q2, OPAQUE)
     k1, k2 = load_rotated(k_ptr, k_off, rows, kb_ptr, bias_off, cos, sin, j0, BJ, HALF, skn,
                           ROTATE)
     scores = mac(mac(scores, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
@@ -34,7 +42,10 @@ def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_
     s_off = j[:, None] * P + p[None, :]
     st1 = tl.load(st + s_off, mask=sm, other=0.0)
     st2 = tl.load(st + HALF * P + s_off, mask=sm, other=0.0)
-    return scores, mac(mac(inter, q1, st1, PREC), q2, st2, PREC)
+    # not straight from a load, the state tiles are A operands in registers, not in shared memory
+    st1, st2 = opaque(st1, OPAQUE), opaque(st2, OPAQUE)
+    inter = mac(mac(inter, tl.trans(st1), tl.trans(q1), PREC), tl.trans(st2), tl.trans(q2), PREC)
+    return scores, inter
 
 
 @triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "sqb", "skb", "svb",
@@ -47,7 +58,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-                        PREC: tl.constexpr, EXACT: tl.constexpr):
+                        PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr):
     """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps."""
     bh = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1).to(tl.int64)
@@ -64,7 +75,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     pm = p < P
     row = bh * S_pad
     scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
-    inter = tl.zeros([TP * RP, BP], dtype=tl.float32)
+    inter = tl.zeros([BP, TP * RP], dtype=tl.float32)  # transposed
     st = states + (bh * nc + o * U) * N * P
     qx, q_off = q + b * sqb + g * sqg, tg * sqs + r * sqr
     kx, k_off = k + b * skb + g * skg, tg * sks + r * skr
@@ -74,7 +85,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, cos + row * RD,
                                     sin + row * RD, tg * RD, rows, q_bias + h * R * N,
                                     k_bias + h * R * N, r * N, st, p, pm, j0, HALF, RD, sqn,
-                                    skn, P, BJ, j0 < RD, PREC)
+                                    skn, P, BJ, j0 < RD, PREC, OPAQUE)
     store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r, rows & (tg < S) & (pid_p == 0),
                  R, RP, TP * RP, EXACT, True)
     gamma = tl.load(terms + GAMMA * plane + row + tg, mask=rows, other=0.0)
@@ -88,15 +99,16 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     psi_v = load_psi_v(v + b * svb + h * svh, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm,
                        P, svp)
     q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
-    raw = dot(scores * w, psi_v, PREC) + q_decay[:, None] * inter
-    # Phi and Zeta are loaded only now: live through the N loop they cost registers
-    phi, zeta, d_h = head_params(mimo_o, mimo_z, d, h, r, rows, p, pm, R, P, HAS_Z, HAS_D)
+    psi_t = tl.trans(psi_v)
+    raw_t = dot(psi_t, tl.trans(scores * w), PREC) + q_decay[None, :] * inter
     if HAS_D:
-        raw += d_h * psi_v
-    sum_o, sum_z = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh, tg * svs,
-                                 rows, phi, zeta, p, pm, svp, dz + (b * S * H + h) * P,
-                                 (t0 + tt) * H * P, (tt < steps) & (t0 + tt < S), TP, RP, HAS_Z,
-                                 EXACT, True)
+        raw_t += tl.load(d + h) * psi_t
+    # [BP, TP * RP] -> [TP, RP, BP]: a relabelling of the dot's layout, no data movement
+    raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
+    sum_o, sum_z = gate_epilogue_steps(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
+                                       (t0 + tt) * svs, (tt < steps) & (t0 + tt < S),
+                                       mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P, svp,
+                                       dz + (b * S * H + h) * P, (t0 + tt) * H * P, HAS_Z)
     part = (bh * n_tiles + o) * R * P
     store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
 
@@ -122,5 +134,6 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         *a["q"].stride(), *a["k"].stride(), *a["v"].stride(), seg.stride(0), seg.stride(1),
         seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],
         cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
+        m["OPAQUE"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"grid": grid} if warmup else {}))

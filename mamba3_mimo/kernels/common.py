@@ -63,14 +63,6 @@ def load_cos_sin(cos_ptr, sin_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD):
 
 
 @triton.jit
-def sum_rows(x, TP: tl.constexpr, RP: tl.constexpr, OVER_TIME: tl.constexpr):
-    """Exact fp32 sum of a [TP * RP, M] chunk tile over its steps ([RP, M], OVER_TIME) or over
-    its ranks ([TP, M])."""
-    AXIS: tl.constexpr = 0 if OVER_TIME else 1
-    return tl.sum(tl.reshape(x, (TP, RP, x.shape[1])), axis=AXIS)
-
-
-@triton.jit
 def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
                  HALF, stride_n, ROTATE: tl.constexpr):
     """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles.
@@ -189,8 +181,9 @@ def load_psi_v(v_ptr, t_off, row_mask, mimo_v_ptr, r, R, p, p_mask, P, stride_vp
 @triton.jit
 def select(ROWS: tl.constexpr, M: tl.constexpr, RP: tl.constexpr, BY_RANK: tl.constexpr):
     """0/1 matrix [M, ROWS] picking, for output row i, the chunk rows of rank i (BY_RANK) or of
-    step i. Stage 0's reductions over time or rank are dots with it; the production kernels use
-    the exact reshape-sums (`sum_rows`), which cost a fifth less of chunk_output's issue slots."""
+    step i. Stage 0's reductions over time or rank are dots with it; the production kernels sum
+    exactly along an axis of a [steps, ranks, ...] view (a fifth less of chunk_output's issue
+    slots, optimisation.md step 7)."""
     row = tl.arange(0, ROWS)[None, :]
     key = row % RP if BY_RANK else row // RP
     return (tl.arange(0, M)[:, None] == key).to(tl.float32)
@@ -221,15 +214,14 @@ def store_qk_dot(qk_ptr, scores, t, r, row_ok, R, RP: tl.constexpr, ROWS: tl.con
 @triton.jit
 def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, stride_p,
                   dz_ptr, t_time_off, t_time_mask, TP: tl.constexpr, RP: tl.constexpr,
-                  HAS_Z: tl.constexpr, EXACT: tl.constexpr, LEAN: tl.constexpr):
-    """Reduce-O gradients of one chunk tile: stores dz and returns the per-rank partial sums.
+                  HAS_Z: tl.constexpr, EXACT: tl.constexpr):
+    """Stage 0's reduce-O gradients of one chunk tile: stores dz and returns the per-rank sums.
 
     raw/phi/zeta: [TP * RP, BP] fp32. dout_ptr, z_ptr, dz_ptr point at the (b, h) slices of
     [B, S, H, P] tensors (t_off: the rows' step offsets in dout/z; t_time_off [TS]: the chunk's
     step offsets in the contiguous dz). Returns (sum_t dout*gate*raw,
-    sum_t dout*Phi*raw*silu'(u)*z), each [RS, BP] with rank on the rows.
-    LEAN (production): exact reshape-sums and the fast sigmoid, TS = TP, RS = RP. Otherwise
-    (stage 0): 0/1 selection dots and tl.sigmoid, TS = max(TP, 16), RS = max(RP, 16).
+    sum_t dout*Phi*raw*silu'(u)*z), each [RS, BP] with rank on the rows, reduced by 0/1
+    selection dots (TS = max(TP, 16), RS = max(RP, 16)).
     """
     ROWS: tl.constexpr = TP * RP
     m = row_mask[:, None] & p_mask[None, :]
@@ -238,24 +230,62 @@ def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, s
     z = tl.zeros_like(raw)
     if HAS_Z:
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, LEAN)
+    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, False)
     if HAS_Z:
-        if LEAN:
-            dz = sum_rows(g_dz, TP, RP, False)
-        else:
-            TS: tl.constexpr = 16 if TP < 16 else TP
-            dz = tl.dot(select(ROWS, TS, RP, False), g_dz, input_precision=EXACT)
+        TS: tl.constexpr = 16 if TP < 16 else TP
+        dz = tl.dot(select(ROWS, TS, RP, False), g_dz, input_precision=EXACT)
         dm = t_time_mask[:, None] & p_mask[None, :]
         tl.store(dz_ptr + t_time_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty),
                  mask=dm)
-    if LEAN:
-        part_o, part_z = sum_rows(g_o, TP, RP, True), sum_rows(g_z, TP, RP, True)
-    else:
-        RS: tl.constexpr = 16 if RP < 16 else RP
-        by_rank = select(ROWS, RS, RP, True)
-        part_o = tl.dot(by_rank, g_o, input_precision=EXACT)
-        part_z = tl.dot(by_rank, g_z, input_precision=EXACT)
+    RS: tl.constexpr = 16 if RP < 16 else RP
+    by_rank = select(ROWS, RS, RP, True)
+    part_o = tl.dot(by_rank, g_o, input_precision=EXACT)
+    part_z = tl.dot(by_rank, g_z, input_precision=EXACT)
     return part_o, part_z
+
+
+@triton.jit
+def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, p, p_mask, P,
+                        stride_p, dz_ptr, dz_off, HAS_Z: tl.constexpr):
+    """The production reduce-O gradients of a tile held as raw [TP, RP, BP] (step, rank,
+    column): stores dz and returns the per-rank sums (sum_t dout*gate*raw,
+    sum_t dout*Phi*raw*silu'(u)*z), each [RP, BP].
+
+    dout and z are loaded once per step ([TP, 1, BP]; t_off, t_mask: the steps' offsets in the
+    (b, h) slices at dout_ptr, z_ptr, and which exist) and Phi, Zeta once per rank ([1, RP, BP]
+    from the head's [R, P] blocks at mimo_o, mimo_z); the sums run along a tensor axis, so no
+    row-grouped tile is rebuilt. dz_off: the steps' offsets in the contiguous dz at dz_ptr.
+    Rows of raw with rank >= R must be zero.
+    """
+    m = t_mask[:, None] & p_mask[None, :]
+    off = t_off[:, None] + p[None, :] * stride_p
+    dout = tl.load(dout_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
+    r = tl.arange(0, raw.shape[1])
+    hm = (r < R)[:, None] & p_mask[None, :]
+    hoff = r[:, None] * P + p[None, :]
+    phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)[None, :, :]
+    z, zeta = 0.0, 0.0
+    if HAS_Z:
+        z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
+        zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :]
+    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, True)
+    if HAS_Z:
+        dz = tl.sum(g_dz, axis=1)
+        tl.store(dz_ptr + dz_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty), mask=m)
+    return tl.sum(g_o, axis=0), tl.sum(g_z, axis=0)
+
+
+@triton.jit
+def opaque(x, ON: tl.constexpr):
+    """x through an fp32 identity the compiler cannot see into (ON; a no-op otherwise, as under
+    the interpreter, which has no inline assembly). Two effects on Triton 3.6's layout passes:
+    a dot operand behind it is "not from a load", so wgmma takes it from registers rather than
+    shared memory, and the conversion into the dot's register layout stays behind it instead of
+    being repeated on every load it was computed from (docs/optimisation.md, step 18)."""
+    if ON:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                      is_pure=False, pack=1)
+    return x
 
 
 @triton.jit

@@ -99,7 +99,7 @@ def _scan_kernel(qr, kr, v, dout, z, mimo_v, mimo_o, mimo_z, d, da_cs, da_cs_rev
         part_o, part_z = gate_epilogue(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
                                        tg * svs, rows, phi, zeta, p, pm, svp,
                                        dz + (b * S * H + h) * P, tgt * H * P,
-                                       (tt < C) & (tgt < S), TP, RP, HAS_Z, EXACT, False)
+                                       (tt < C) & (tgt < S), TP, RP, HAS_Z, EXACT)
         acc_o += part_o
         acc_z += part_z
         rev = tl.load(da_cs_rev + bh * S_pad + tg, mask=rows, other=0.0)
