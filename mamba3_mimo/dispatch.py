@@ -12,14 +12,15 @@ baseline, never chosen by "auto".
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import triton
 
-from .kernels import chunk_output, chunk_state, stage0, step_terms
+from .kernels import cdiv, chunk_output, chunk_state, next_pow2, stage0, step_terms
 
 IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
@@ -105,7 +106,7 @@ def smem_limit(device: torch.device) -> int:
 
 
 def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(x))
+    return max(lo, next_pow2(x))
 
 
 def output_tile_chunks(C: int, R: int) -> int:
@@ -116,24 +117,36 @@ def output_tile_chunks(C: int, R: int) -> int:
 
 
 def _meta(pb: Problem) -> dict:
-    TP = _pow2(pb.C, 1)
-    RP = _pow2(pb.R, 1)
+    """The kernels' constants for this problem: the model's (cached) plus the lengths."""
+    nc = cdiv(pb.S, pb.C)
+    U = output_tile_chunks(pb.C, pb.R)  # outside the cache, so that tests can force it
+    return dict(_model_meta(pb.H, pb.G, pb.N, pb.P, pb.R, pb.C, pb.RD, U, pb.dtype, pb.has_z,
+                            pb.has_d, interpreter_active()),
+                B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc)
+
+
+# Cached because the operator runs this on every call, and a small shape's kernels take less GPU
+# time than the host spends launching them (docs/optimisation.md, step 21).
+@functools.lru_cache(maxsize=None)
+def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
+                dtype: torch.dtype, has_z: bool, has_d: bool, interpret: bool) -> dict:
+    """Compile-time constants of the kernels, from the model dimensions and the chunks per
+    output tile U (never B or S). The returned dict is shared: copy it before changing it."""
+    TP = _pow2(C, 1)
+    RP = _pow2(R, 1)
     TP = max(TP, 16 // RP)  # a chunk tile has at least 16 rows, the smallest dot size
-    U = output_tile_chunks(pb.C, pb.R)
-    TPO = max(_pow2(U * pb.C, 1), 16 // RP)
-    if interpreter_active():
+    TPO = max(_pow2(U * C, 1), 16 // RP)
+    if interpret:
         prec = exact = "ieee"
     else:
         # tf32 operands keep bf16 inputs at about a third of their 5e-3 threshold; measured on
         # the H200 they reach 0.8 of fp16's 2e-3, so fp16 and fp32 inputs and the 0/1
         # selection dots of the reductions use 3xTF32 (about fp32 accuracy).
-        prec = "tf32" if pb.dtype == torch.bfloat16 else "tf32x3"
+        prec = "tf32" if dtype == torch.bfloat16 else "tf32x3"
         exact = "tf32x3"
-    nc = triton.cdiv(pb.S, pb.C)
-    return dict(B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc, H=pb.H, G=pb.G, N=pb.N, P=pb.P, R=pb.R,
-                C=pb.C, RD=pb.RD, TP=TP, RP=RP, U=U, TPO=TPO, HAS_Z=pb.has_z, HAS_D=pb.has_d,
-                PREC=prec, EXACT=exact,
-                OPAQUE=not interpreter_active())  # common.opaque: inline assembly, GPU only
+    return dict(H=H, G=G, N=N, P=P, R=R, C=C, RD=RD, RDP=next_pow2(RD), TP=TP, RP=RP, U=U,
+                TPO=TPO, HAS_Z=has_z, HAS_D=has_d, PREC=prec, EXACT=exact,
+                OPAQUE=not interpret)  # common.opaque: inline assembly, GPU only
 
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:
@@ -181,17 +194,18 @@ def select(pb: Problem) -> Plan:
     return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0], m["U"])
 
 
-def _choose(launch, candidates, a, out, m, pb) -> dict:
-    """First candidate whose compiled kernel fits the shared-memory limit (cached per model)."""
+def _choose(launch, candidates: Callable[[Problem, dict], List[dict]], a, out, m, pb) -> dict:
+    """First of candidates(pb, m) whose compiled kernel fits the shared-memory limit (cached per
+    model, so that the list is built and compiled only on a model's first call)."""
     if pb.device.type != "cuda":
-        return candidates[0]
+        return candidates(pb, m)[0]
     limit = smem_limit(pb.device)
     # U sets chunk_output's tile height, hence its shared memory: part of the key even though it
     # follows from C and R, so that a config is never reused for another tile
     key = (launch.__module__, pb.N, pb.P, pb.R, pb.C, pb.RD, m["U"], pb.dtype, pb.output_dtype,
            pb.has_z, pb.has_d, pb.device, limit)
     if key not in _config_cache:
-        fit = next((c for c in candidates if _fits(launch, a, out, m, c, limit)), None)
+        fit = next((c for c in candidates(pb, m) if _fits(launch, a, out, m, c, limit)), None)
         if fit is None:
             raise RuntimeError(f"no config of {launch.__module__} fits in {limit} bytes of "
                                "shared memory per block")
@@ -244,11 +258,11 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
         out["inc"] = (out["states"] if odt == torch.float32 else
                       torch.empty(out["states"].shape, device=dev, dtype=torch.float32))
         step_terms.launch(a, out, m)
-        s_cfg = _choose(chunk_state.launch, _state_candidates(pb, m), a, out, m, pb)
+        s_cfg = _choose(chunk_state.launch, _state_candidates, a, out, m, pb)
         probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
-        o_cfg = _choose(chunk_output.launch, _output_candidates(pb, m), a, probe, m, pb)
+        o_cfg = _choose(chunk_output.launch, _output_candidates, a, probe, m, pb)
         chunk_state.launch(a, out, m, s_cfg)
-        groups = triton.cdiv(m["nc"], m["U"])
+        groups = cdiv(m["nc"], m["U"])
         out["part_o"] = torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
         out["part_z"] = (torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
                          if pb.has_z else out["part_o"])

@@ -244,7 +244,46 @@ def test_output_tiles_of_several_chunks(monkeypatch, U, C, S, output_dtype):
     from mamba3_mimo import dispatch
     monkeypatch.setattr(dispatch, "output_tile_chunks", lambda C, R: U)
     shape = Shape(2, S, 2, 1, 16, 16, 2, C)
+    assert dispatch._meta(_problem(shape))["U"] == U  # the forced U reaches the kernels
     for z_gate in (True, False):
         args, golden, bench = problem(shape, FP32, z_gate, True)
         check_outputs(run_op(args, "chunked", output_dtype=output_dtype), golden, bench, FP32,
                       output_dtype)
+
+
+# ---------------------------------------------------------------------------- host side
+
+
+def _problem(s: Shape, dtype: torch.dtype = FP32):
+    from mamba3_mimo import dispatch
+    return dispatch.Problem(s.B, s.S, s.H, s.G, s.N, s.P, s.R, s.C, s.N // s.rotary_dim_divisor,
+                            dtype, True, True, dtype, torch.device(DEVICE))
+
+
+def test_kernel_constants_cached_per_model():
+    """The dispatcher caches the kernels' constants per model, not per call: problems that
+    differ only in B and S share one cache entry, equal to a fresh computation, and get their
+    own lengths."""
+    from mamba3_mimo import dispatch
+    dispatch._model_meta.cache_clear()
+    small, large = Shape(1, 40, 2, 1, 16, 32, 2, 16), Shape(3, 1000, 2, 1, 16, 32, 2, 16)
+    m1, m2 = dispatch._meta(_problem(small)), dispatch._meta(_problem(large))
+    assert dispatch._model_meta.cache_info().currsize == 1
+    assert (m1["B"], m1["S"], m1["nc"], m1["S_pad"]) == (1, 40, 3, 48)
+    assert (m2["B"], m2["S"], m2["nc"], m2["S_pad"]) == (3, 1000, 63, 1008)
+    fresh = dispatch._model_meta.__wrapped__(2, 1, 16, 32, 2, 16, 4, m2["U"], FP32, True, True,
+                                             dispatch.interpreter_active())
+    assert {k: m2[k] for k in fresh} == fresh and {k: m1[k] for k in fresh} == fresh
+    dispatch._meta(_problem(large, BF16))  # another dtype is another model
+    assert dispatch._model_meta.cache_info().currsize == 2
+
+
+def test_host_integer_helpers():
+    """cdiv and next_pow2 (the launchers' replacements for triton.cdiv and
+    triton.next_power_of_2) agree with them."""
+    import triton
+    from mamba3_mimo.kernels import cdiv, next_pow2
+    for a in range(1, 300):
+        assert next_pow2(a) == triton.next_power_of_2(a)
+        for b in (1, 2, 3, 16, 64, 512):
+            assert cdiv(a, b) == triton.cdiv(a, b)

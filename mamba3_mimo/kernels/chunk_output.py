@@ -15,6 +15,7 @@ dot from registers instead (docs/optimisation.md, step 18).
 import triton
 import triton.language as tl
 
+from . import cdiv
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v,
                      load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
 from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
@@ -122,8 +123,8 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """
     m = meta
     B, H = m["B"], m["H"]
-    n_tiles = triton.cdiv(m["nc"], m["U"])
-    grid = (B * H, n_tiles, triton.cdiv(m["P"], cfg["BP"]))
+    n_tiles = cdiv(m["nc"], m["U"])
+    grid = (B * H, n_tiles, cdiv(m["P"], cfg["BP"]))
     seg = a["segsum"]
     kernel = chunk_output_kernel.warmup if warmup else chunk_output_kernel[grid]
     return kernel(

@@ -8,6 +8,7 @@ a serial loop of multiply-adds over [BLOCK] slices whose loads do not depend on 
 import triton
 import triton.language as tl
 
+from . import cdiv
 from .common import chunk_rows, dot, load_cos_sin, load_psi_v, load_rotated
 from .step_terms import K_DECAY
 
@@ -81,8 +82,8 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     m = meta
     B, H, N, P = m["B"], m["H"], m["N"], m["P"]
     half = N // 2
-    n_jb = triton.cdiv(half, cfg["BJ"])
-    grid = (B * H, max(m["nc"] - 1, 0), n_jb * triton.cdiv(P, cfg["BP"]))
+    n_jb = cdiv(half, cfg["BJ"])
+    grid = (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"]))
     args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"],
             out["inc"], m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb,
             *a["k"].stride(), *a["v"].stride(), m["R"], N, P, m["C"], m["TP"], m["RP"], half,
@@ -91,7 +92,7 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
     if grid[1] > 0:
         chunk_increment_kernel[grid](*args, num_warps=cfg["num_warps"])
-    pgrid = (B * H, triton.cdiv(N * P, cfg["BLOCK"]))
+    pgrid = (B * H, cdiv(N * P, cfg["BLOCK"]))
     state_passing_kernel[pgrid](out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"],
                                 m["C"], m["U"], N * P, cfg["BLOCK"],
                                 out["inc"].data_ptr() != out["states"].data_ptr(), num_warps=4)

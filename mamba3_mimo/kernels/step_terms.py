@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv
 from .common import rotary_cos_sin, trap_terms
 
 # planes of the `terms` scratch [6, B*H, S_pad]
@@ -77,7 +78,7 @@ def launch(a: dict, out: dict, meta: dict) -> None:
     out["cos"] = torch.empty(n_bh, S_pad, RD, device=a["dt"].device, dtype=torch.float32)
     out["sin"] = torch.empty_like(out["cos"])
     BS = 32
-    step_terms_kernel[(n_bh, triton.cdiv(S_pad, BS))](
+    step_terms_kernel[(n_bh, cdiv(S_pad, BS))](
         a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
         out["sin"], S_pad, n_bh, m["H"], m["nc"], m["C"], *a["angles"].stride(), RD, BS,
-        triton.next_power_of_2(RD), m["U"])
+        m["RDP"], m["U"])

@@ -1,0 +1,89 @@
+"""Host time per call of the operator against its GPU time: is a shape launch-bound?
+
+On a GPU, for each official shape (bf16 inputs, Z and D on, bf16 outputs):
+- host_us: wall time per call of enqueueing n calls back to back, without synchronising;
+- gpu_us: GPU time per call of the same n calls queued behind a GPU sleep, so that they run
+  back to back whatever the host does (warm L2, no flush between calls);
+- bench_ms: triton.testing.do_bench's median, as the benchmark times it (L2 flushed before
+  each call, host gaps included).
+When host_us approaches gpu_us plus do_bench's cache flush, do_bench measures the host.
+
+Without CUDA, the kernels are replaced by no-ops and host_us is the Python side alone (the
+dispatcher, argument checks and allocations on small CPU tensors), for comparing host code
+changes on a CPU-only machine; Triton's own launch cost is not in it.
+
+Usage: [OUT=dir] PYTHONPATH=. python3 scripts/host_overhead.py [shape filter] [n]
+Writes $OUT/host_overhead.json when OUT is set.
+"""
+import json
+import os
+import sys
+import time
+import timeit
+
+import torch
+
+from mamba3_mimo import api, dispatch
+from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
+
+
+def _call(shape: Shape, device: str):
+    a = make_inputs(shape, torch.bfloat16, z_gate=True, d_skip=True, device=device, seed=0)
+    a.pop("adt")
+    return lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16)
+
+
+def on_gpu(shapes, n: int) -> list:
+    from triton.testing import do_bench
+    rows = []
+    for s in shapes:
+        f = _call(s, "cuda")
+        f()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        host_us = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e9))  # about a second: every call below is queued before it ends
+        start.record()
+        for _ in range(n):
+            f()
+        end.record()
+        torch.cuda.synchronize()
+        gpu_us = start.elapsed_time(end) / n * 1e3
+        bench_ms = do_bench(f, rep=100, return_mode="median")
+        rows.append(dict(shape=s.name, host_us=host_us, gpu_us=gpu_us, bench_ms=bench_ms))
+        print(f"{s.name:18s} host {host_us:7.1f} us  gpu {gpu_us:7.1f} us  "
+              f"do_bench {bench_ms * 1e3:7.1f} us", flush=True)
+    return rows
+
+
+def on_cpu(shapes, n: int) -> list:
+    from triton.runtime.jit import JITFunction
+    JITFunction.run = lambda self, *a, **k: None  # Python side only
+    dispatch.check_device = lambda device: None
+    rows = []
+    for s in shapes:
+        small = Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)  # the host path ignores B and S
+        f = _call(small, "cpu")
+        f()
+        host_us = min(timeit.repeat(f, number=n, repeat=15)) / n * 1e6
+        rows.append(dict(shape=s.name, host_us=host_us, gpu_us=None, bench_ms=None))
+        print(f"{s.name:18s} python {host_us:6.1f} us per call (kernels stubbed)", flush=True)
+    return rows
+
+
+def main() -> None:
+    filt = sys.argv[1] if len(sys.argv) > 1 else ""
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    shapes = [s for s in official_shapes() if filt in s.name]
+    rows = on_gpu(shapes, n) if torch.cuda.is_available() else on_cpu(shapes, n)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "host_overhead.json"), "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
