@@ -1,7 +1,8 @@
 """A/B of production-path variants on a GPU, one process per (round, variant) so that a CUDA fault
-in one variant cannot poison the others: end-to-end median time on official shapes, the
-registers and spills of each launched kernel, and (first round only) the errors against the
-float64 golden on the test sweep's shapes (bf16 inputs, Z and D on, fp32 outputs).
+in one variant cannot poison the others: end-to-end time on official shapes (do_bench's median
+in each round, the best round reported), the registers and spills of each launched kernel, and
+(first round only) the errors against the float64 golden on the test sweep's shapes (bf16
+inputs, Z and D on, fp32 outputs).
 
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
 (filter "" = every official shape; "none" = none, e.g. for a CPU dry run with TRITON_INTERPRET=1)
@@ -137,24 +138,34 @@ def main() -> int:
                   f"({run['wall_s']:.0f} s)", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "ab.json"), "w") as f:
         json.dump(dict(variants=variants, runs=runs), f, indent=1)
+    report(variants, runs, rounds)
+    return 0
+
+
+def report(variants: list, runs: list, rounds: int) -> None:
+    """Print the comparison table of ab.json's runs."""
     base = variants[0]["name"]
     ok = [x for x in runs if "times" in x]
     shapes = sorted({s for x in ok for s in x["times"]})
-    print(f"{'shape':18s}" + "".join(f"{v['name']:>16s}" for v in variants))
+    # the best round of each variant: interference (another process, the host, clocks) only
+    # adds time; "~" marks a shape whose rounds differ by more than 10 %
+    print(f"best of {rounds} rounds, ms (~: rounds differ by > 10 %)")
+    print(f"{'shape':18s}" + "".join(f"{v['name']:>17s}" for v in variants))
     for s in shapes:
-        med = {}
+        best, wide = {}, {}
         for v in variants:
-            t = sorted(x["times"][s] for x in ok if x["name"] == v["name"] and s in x["times"])
-            med[v["name"]] = t[len(t) // 2] if t else None
+            t = [x["times"][s] for x in ok if x["name"] == v["name"] and s in x["times"]]
+            best[v["name"]] = min(t) if t else None
+            wide[v["name"]] = bool(t) and max(t) > 1.1 * min(t)
         print(f"{s:18s}" + "".join(
-            f"{'-':>16s}" if med[n] is None else
-            f"{med[n]:9.3f}" + (f" {med[n] / med[base]:5.2f}x" if med.get(base) else "      ")
+            f"{'-':>17s}" if best[n] is None else
+            f"{best[n]:9.3f}{'~' if wide[n] else ' '}" +
+            (f" {best[n] / best[base]:5.2f}x" if best.get(base) else "      ")
             for n in (v["name"] for v in variants)))
     for v in variants:
         worst = [x["worst_err_over_thr"] for x in ok if x["name"] == v["name"] and x["errors"]]
         print(f"{v['name']}: worst error / threshold on the sweep "
               f"{max(worst) if worst else float('nan'):.2f}")
-    return 0
 
 
 if __name__ == "__main__":
