@@ -23,7 +23,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/
 
 
 def _compile(self, *args, grid, warmup, **kwargs):
-    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = inspect.signature(self.fn).bind(*args, **kwargs)
     sig, const, attrs = {}, {}, {}
     dns = set(self.do_not_specialize) | {self.arg_names[i] for i in self.do_not_specialize
