@@ -255,9 +255,9 @@ def test_output_tiles_of_several_chunks(monkeypatch, U, C, S, output_dtype):
 
 
 def _problem(s: Shape, dtype: torch.dtype = FP32):
-    from mamba3_mimo import dispatch
-    return dispatch.Problem(s.B, s.S, s.H, s.G, s.N, s.P, s.R, s.C, s.N // s.rotary_dim_divisor,
-                            dtype, True, True, dtype, torch.device(DEVICE))
+    """The dispatcher's Problem of a call on inputs of this shape (validated, Z and D on)."""
+    from mamba3_mimo.bench import problem_of
+    return problem_of(op_args(make_inputs(s, dtype, True, True, device=DEVICE, seed=0)))
 
 
 def test_kernel_constants_cached_per_model():

@@ -10,7 +10,7 @@ about 64 (step, rank) rows.
 inter and raw_y are computed transposed ([BP, rows]): tf32 wgmma reads shared-memory operands
 only K-major, and the state and psi_v tiles arrive P-contiguous, so as B operands they were
 copied into shared memory transposed, with 8-way bank conflicts. As A operands they go to the
-dot from registers instead (docs/optimisation.md, step 18).
+dot from registers instead (docs/optimisation.md, step 19).
 """
 import triton
 import triton.language as tl

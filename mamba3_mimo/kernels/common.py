@@ -281,7 +281,7 @@ def opaque(x, ON: tl.constexpr):
     the interpreter, which has no inline assembly). Two effects on Triton 3.6's layout passes:
     a dot operand behind it is "not from a load", so wgmma takes it from registers rather than
     shared memory, and the conversion into the dot's register layout stays behind it instead of
-    being repeated on every load it was computed from (docs/optimisation.md, step 18)."""
+    being repeated on every load it was computed from (docs/optimisation.md, step 19)."""
     if ON:
         x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                       is_pure=False, pack=1)
