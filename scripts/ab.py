@@ -136,8 +136,9 @@ def main() -> int:
             runs.append(run)
             print(f"round {r} {v['name']}: {'ok' if line else 'FAILED'} "
                   f"({run['wall_s']:.0f} s)", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "ab.json"), "w") as f:
-        json.dump(dict(variants=variants, runs=runs), f, indent=1)
+            # rewritten after every run, so that a call cut off by its time limit keeps its runs
+            with open(os.path.join(os.environ.get("OUT", "."), "ab.json"), "w") as f:
+                json.dump(dict(variants=variants, runs=runs), f, indent=1)
     report(variants, runs, rounds)
     return 0
 
