@@ -121,14 +121,19 @@ def test_states_beyond_2_31_elements():
 # two chunks at least (C <= 64): with one chunk no increment is needed and none is launched
 @pytest.mark.parametrize("shape", [Shape(1, 128, 2, 1, s.N, s.P, s.R, s.C)
                                    for s in official_shapes()], ids=lambda s: s.name)
-def test_increments_on_wgmma_without_spills(shape, launches):
-    """chunk_increment's dot has BP rows in M; below 64 Triton falls back from wgmma to mma.sync,
+def test_launched_kernel_resources(shape, launches):
+    """The resources that the measured speed depends on, on every official model shape.
+    chunk_increment's dot has BP rows in M; below 64 Triton falls back from wgmma to mma.sync,
     which at P = 32 took 255 registers, 528 bytes of spill and twice the time
-    (docs/optimisation.md, step 17). On every official model shape the launched kernel uses
-    wgmma (sm_90) and spills nothing."""
+    (docs/optimisation.md, step 17): the launched kernel uses wgmma (sm_90) and spills nothing.
+    chunk_output stays within dispatch.OUTPUT_MAXNREG registers, three programs per SM (step 22)."""
     args = op_args(make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape)))
     run_op(args)
     torch.cuda.synchronize()
+    outs = [k for fn, k in launches if fn.__name__ == "chunk_output_kernel"]
+    assert outs, "chunk_output_kernel was not launched"
+    for k in outs:
+        assert k.n_regs <= dispatch.OUTPUT_MAXNREG, f"chunk_output uses {k.n_regs} registers"
     inc = [k for fn, k in launches if fn.__name__ == "chunk_increment_kernel"]
     assert inc, "chunk_increment_kernel was not launched"
     for k in inc:

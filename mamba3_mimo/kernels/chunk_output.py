@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv
-from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v,
+from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
                      load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
 from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
@@ -97,8 +97,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         log_k = tl.load(terms + LOG_K * plane + row + tg, mask=rows, other=0.0)
     w = tile_weights(segsum + b * sgb + h * sgh + o * U * sgc, log_q, log_k, t, rows, C, gamma,
                      trap_scale, U)
-    psi_v = load_psi_v(v + b * svb + h * svh, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm,
-                       P, svp)
+    psi_v = load_psi_v_steps(v + b * svb + h * svh, (t0 + tt) * svs, tt < steps,
+                             mimo_v + h * R * P, R, p, pm, P, svp, RP)
     q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
     psi_t = tl.trans(psi_v)
     raw_t = dot(psi_t, tl.trans(scores * w), PREC) + q_decay[None, :] * inter
@@ -136,5 +136,5 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],
         cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
         m["OPAQUE"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
         **({"grid": grid} if warmup else {}))

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv
-from .common import chunk_rows, dot, load_cos_sin, load_psi_v, load_rotated
+from .common import chunk_rows, dot, load_cos_sin, load_psi_v_steps, load_rotated
 from .step_terms import K_DECAY
 
 
@@ -35,8 +35,9 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     k1, k2 = load_rotated(k + b * skb + (h // HG) * skg, tg * sks + r * skr, rows,
                           k_bias + h * R * N, r * N, cs, sn, j0, BJ, HALF, skn, True)
     w = tl.load(terms + K_DECAY * plane + row + tg, mask=rows, other=0.0)[:, None]
-    psi_v = load_psi_v(v + b * svb + h * svh, tg * svs, rows, mimo_v + h * R * P, r, R, p, pm, P,
-                       svp)
+    tt = tl.arange(0, TP)
+    psi_v = load_psi_v_steps(v + b * svb + h * svh, (c * C + tt) * svs, tt < C, mimo_v + h * R * P,
+                             R, p, pm, P, svp, RP)
     # psi_v^T (k_w) rather than k_w^T psi_v: k_w, built by elementwise ops, is then the B
     # operand, which always goes through shared memory; as the transposed A operand Triton
     # moved its whole computation into the dot-operand layout (255 registers and spills).

@@ -179,6 +179,23 @@ def load_psi_v(v_ptr, t_off, row_mask, mimo_v_ptr, r, R, p, p_mask, P, stride_vp
 
 
 @triton.jit
+def load_psi_v_steps(v_ptr, t_off, t_mask, mimo_v_ptr, R, p, p_mask, P, stride_vp,
+                     RP: tl.constexpr):
+    """psi_v as load_psi_v, [TP * RP, BP] with row = t * RP + r, from one load of v per step
+    ([TP, BP]; t_off, t_mask: the steps' offsets in v and which exist) and one of mimo_v per
+    rank ([RP, BP]) instead of one of each per row: a quarter of the loads at R = 4, and no
+    [rows, BP] tile of either to convert into the dots' layouts (the production kernels;
+    stage 0 keeps load_psi_v, docs/optimisation.md step 22)."""
+    m = t_mask[:, None] & p_mask[None, :]
+    x = tl.load(v_ptr + t_off[:, None] + p[None, :] * stride_vp, mask=m, other=0.0)
+    r = tl.arange(0, RP)
+    mv = tl.load(mimo_v_ptr + r[:, None] * P + p[None, :], mask=(r < R)[:, None] & p_mask[None, :],
+                 other=0.0)
+    psi = x.to(tl.float32)[:, None, :] * mv[None, :, :]
+    return tl.reshape(psi, (x.shape[0] * RP, x.shape[1]))
+
+
+@triton.jit
 def select(ROWS: tl.constexpr, M: tl.constexpr, RP: tl.constexpr, BY_RANK: tl.constexpr):
     """0/1 matrix [M, ROWS] picking, for output row i, the chunk rows of rank i (BY_RANK) or of
     step i. Stage 0's reductions over time or rank are dots with it; the production kernels sum
