@@ -17,7 +17,8 @@ def test_bf16_stores_round_to_nearest_even():
     """fp32 values stored into bf16 equal torch's round-to-nearest-even conversion, including
     ties (both directions), values that carry into the exponent, infinities and NaN."""
     g = torch.Generator().manual_seed(3)
-    x = torch.cat([torch.randn(900, generator=g) * 10.0 ** torch.randint(-6, 6, (900,), generator=g),
+    scale = 10.0 ** torch.randint(-6, 6, (900,), generator=g)
+    x = torch.cat([torch.randn(900, generator=g) * scale,
                    torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 - 2 ** -9 + 2 ** -24, 255.99,
                                  -(1 + 2 ** -8), float("inf"), -float("inf"), 0.0, -0.0])])
     x = torch.cat([x, torch.full((1,), float("nan"))]).to(DEVICE)
