@@ -58,6 +58,7 @@ def _round_bf16_to_nearest_even() -> None:
 
 if not ON_GPU:
     _round_bf16_to_nearest_even()
+
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (CPU runs the interpreter)")
 
 OUTPUTS = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
