@@ -120,8 +120,8 @@ def _meta(pb: Problem) -> dict:
     """The kernels' constants for this problem: the model's (cached) plus the lengths."""
     nc = cdiv(pb.S, pb.C)
     U = output_tile_chunks(pb.C, pb.R)  # outside the cache, so that tests can force it
-    return dict(_model_meta(pb.H, pb.G, pb.N, pb.P, pb.R, pb.C, pb.RD, U, pb.dtype, pb.has_z,
-                            pb.has_d, interpreter_active()),
+    return dict(_model_meta(pb.H, pb.G, pb.N, pb.P, pb.R, pb.C, pb.RD, U, pb.dtype,
+                            pb.output_dtype, pb.has_z, pb.has_d, interpreter_active()),
                 B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc)
 
 
@@ -129,7 +129,8 @@ def _meta(pb: Problem) -> dict:
 # time than the host spends launching them (docs/optimisation.md, step 21).
 @functools.lru_cache(maxsize=None)
 def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
-                dtype: torch.dtype, has_z: bool, has_d: bool, interpret: bool) -> dict:
+                dtype: torch.dtype, output_dtype: torch.dtype, has_z: bool, has_d: bool,
+                interpret: bool) -> dict:
     """Compile-time constants of the kernels, from the model dimensions and the chunks per
     output tile U (never B or S). The returned dict is shared: copy it before changing it."""
     TP = _pow2(C, 1)
@@ -146,7 +147,23 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
         exact = "tf32x3"
     return dict(H=H, G=G, N=N, P=P, R=R, C=C, RD=RD, RDP=next_pow2(RD), TP=TP, RP=RP, U=U,
                 TPO=TPO, HAS_Z=has_z, HAS_D=has_d, PREC=prec, EXACT=exact,
+                OUT_STATES=out_states_suffice(dtype, output_dtype),
                 OPAQUE=not interpret)  # common.opaque: inline assembly, GPU only
+
+
+def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
+    """Whether chunk_output may read the rounded `states` output instead of an fp32 copy of the
+    states (which state_passing then does not write): 6 bytes less per state element of a tile,
+    0.4-0.8 GB per call on the largest official shapes.
+
+    Yes for bf16 inputs with a 16-bit output dtype and for fp16 inputs with fp16 outputs: the
+    rounding alone moves the outputs by at most about a third of the input dtype's error
+    threshold (docs/optimisation.md, step 26). No for fp32 inputs (dmimo_o and dmimo_z are
+    written in fp32 and keep fp32's threshold), for fp16 inputs with bf16 outputs (bf16's
+    rounding is eight times fp16's), and for fp32 outputs, whose `states` is the fp32 state."""
+    if output_dtype == torch.float32:
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float16 and output_dtype == torch.float16)
 
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:

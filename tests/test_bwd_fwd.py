@@ -1,5 +1,6 @@
 """The operator against the float64 golden: pairwise grid, official shapes, sequence tails and a
 sweep over R, N, P and rotary_dim_divisor. The pairwise grid and the tails run every impl."""
+import dataclasses
 import itertools
 import os
 
@@ -219,8 +220,10 @@ def test_sweep(shape, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype,output_dtype,trap_dtype", [
-    (BF16, BF16, None), (FP16, FP16, FP32), (FP32, BF16, None), (BF16, FP32, FP32)],
-    ids=["bf16-out_bf16", "fp16-out_fp16-trap_fp32", "fp32-out_bf16", "bf16-trap_fp32"])
+    (BF16, BF16, None), (FP16, FP16, FP32), (FP32, BF16, None), (BF16, FP32, FP32),
+    (BF16, FP16, None), (FP16, BF16, None)],
+    ids=["bf16-out_bf16", "fp16-out_fp16-trap_fp32", "fp32-out_bf16", "bf16-trap_fp32",
+         "bf16-out_fp16", "fp16-out_bf16"])
 def test_output_and_trap_dtypes(dtype, output_dtype, trap_dtype, impl):
     """output_dtype sets states, qk_dot, dz; trap may come in fp32 or the input dtype."""
     shape = Shape(1, 40, 2, 1, 16, 16, 2, 16)
@@ -271,11 +274,28 @@ def test_kernel_constants_cached_per_model():
     assert dispatch._model_meta.cache_info().currsize == 1
     assert (m1["B"], m1["S"], m1["nc"], m1["S_pad"]) == (1, 40, 3, 48)
     assert (m2["B"], m2["S"], m2["nc"], m2["S_pad"]) == (3, 1000, 63, 1008)
-    fresh = dispatch._model_meta.__wrapped__(2, 1, 16, 32, 2, 16, 4, m2["U"], FP32, True, True,
-                                             dispatch.interpreter_active())
+    fresh = dispatch._model_meta.__wrapped__(2, 1, 16, 32, 2, 16, 4, m2["U"], FP32, FP32, True,
+                                             True, dispatch.interpreter_active())
     assert {k: m2[k] for k in fresh} == fresh and {k: m1[k] for k in fresh} == fresh
     dispatch._meta(_problem(large, BF16))  # another dtype is another model
     assert dispatch._model_meta.cache_info().currsize == 2
+
+
+def test_out_states_policy():
+    """chunk_output reads the rounded `states` output only where its rounding stays well inside
+    the threshold of every output (the dtype tests above check the accuracy of each case): bf16
+    inputs with 16-bit outputs, fp16 with fp16. fp32 inputs keep fp32 dmimo thresholds, and fp32
+    outputs are the fp32 state already."""
+    from mamba3_mimo import dispatch
+    expected = {(BF16, BF16): True, (BF16, FP16): True, (FP16, FP16): True,
+                (FP16, BF16): False, (FP32, BF16): False, (FP32, FP16): False,
+                (BF16, FP32): False, (FP16, FP32): False, (FP32, FP32): False}
+    for (dtype, output_dtype), want in expected.items():
+        assert dispatch.out_states_suffice(dtype, output_dtype) is want, (dtype, output_dtype)
+    shape = Shape(1, 40, 2, 1, 16, 32, 2, 16)
+    pb = dataclasses.replace(_problem(shape, BF16), output_dtype=BF16)
+    assert dispatch._meta(pb)["OUT_STATES"]
+    assert not dispatch._meta(dataclasses.replace(pb, output_dtype=FP32))["OUT_STATES"]
 
 
 def test_host_integer_helpers():

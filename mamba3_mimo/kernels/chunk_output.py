@@ -41,8 +41,8 @@ def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_
     j = j0 + tl.arange(0, BJ)
     sm = (j < HALF)[:, None] & pm[None, :]
     s_off = j[:, None] * P + p[None, :]
-    st1 = tl.load(st + s_off, mask=sm, other=0.0)
-    st2 = tl.load(st + HALF * P + s_off, mask=sm, other=0.0)
+    st1 = tl.load(st + s_off, mask=sm, other=0.0).to(tl.float32)
+    st2 = tl.load(st + HALF * P + s_off, mask=sm, other=0.0).to(tl.float32)
     # not straight from a load, the state tiles are A operands in registers, not in shared memory
     st1, st2 = opaque(st1, OPAQUE), opaque(st2, OPAQUE)
     inter = mac(mac(inter, tl.trans(st1), tl.trans(q1), PREC), tl.trans(st2), tl.trans(q2), PREC)
@@ -115,9 +115,10 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
 
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
-    """Write qk_dot, dz and the dmimo partial sums, reading the fp32 states from out["inc"]
-    (chunk_state's result) and step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ,
-    BP, num_warps, num_stages; meta["U"] the chunks per tile, meta["TPO"] its padded steps.
+    """Write qk_dot, dz and the dmimo partial sums, reading chunk_state's states (the `states`
+    output with meta["OUT_STATES"], else the fp32 copy in out["inc"]) and step_terms'
+    out["terms"], out["cos"], out["sin"]; cfg holds BJ, BP, num_warps, num_stages; meta["U"]
+    the chunks per tile, meta["TPO"] its padded steps.
 
     out["part_o"], out["part_z"]: [B*H, n_tiles, R, P] fp32 scratch, n_tiles = cdiv(nc, U).
     """
@@ -130,7 +131,8 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     return kernel(
         a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
         a["mimo_o"], a["mimo_z"], a["d"], out["terms"], out["cos"], out["sin"], seg,
-        out["inc"], out["qk_dot"], out["dz"], out["part_o"], out["part_z"],
+        out["states"] if m["OUT_STATES"] else out["inc"], out["qk_dot"], out["dz"], out["part_o"],
+        out["part_z"],
         m["S"], m["S_pad"], B * H * m["S_pad"], m["nc"], n_tiles, H, H // m["G"],
         *a["q"].stride(), *a["k"].stride(), *a["v"].stride(), seg.stride(0), seg.stride(1),
         seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],

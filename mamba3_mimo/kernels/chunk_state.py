@@ -55,8 +55,9 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], states[0] = 0, on [BLOCK] slices.
 
     inc may alias states (fp32 outputs): each slice is read before it is overwritten. With
-    KEEP_FP32 (narrower outputs) the fp32 state also replaces inc[c] for the chunks that start a
-    chunk_output tile (c % U == 0), the only ones it reads, at full precision."""
+    KEEP_FP32 (narrower outputs that chunk_output may not read, dispatch.out_states_suffice) the
+    fp32 state also replaces inc[c] for the chunks that start a chunk_output tile (c % U == 0),
+    the only ones it reads, at full precision."""
     bh = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
@@ -76,7 +77,8 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write out["states"] through the fp32 increments out["inc"] (may be out["states"]); after
-    it, out["inc"] holds the fp32 states.
+    it, out["inc"] holds the fp32 states of the chunks that start an output tile, unless
+    meta["OUT_STATES"] says that chunk_output reads out["states"].
 
     cfg: BJ, BP, num_warps for the increments; BLOCK for the state passing.
     """
@@ -96,4 +98,5 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     pgrid = (B * H, cdiv(N * P, cfg["BLOCK"]))
     state_passing_kernel[pgrid](out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"],
                                 m["C"], m["U"], N * P, cfg["BLOCK"],
-                                out["inc"].data_ptr() != out["states"].data_ptr(), num_warps=4)
+                                out["inc"] is not out["states"] and not m["OUT_STATES"],
+                                num_warps=4)
