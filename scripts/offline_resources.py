@@ -2,7 +2,8 @@
 kernel's registers, spills and shared memory (ptxas through cuobjdump), to study register
 pressure without device time. Integer arguments are specialised as the JIT does (1 becomes a
 constant, multiples of 16 are marked), so that the layouts match a GPU build.
-Usage: python scripts/offline_resources.py B S H G N P R C [impl]"""
+Usage: [PTX_DIR=dir] python scripts/offline_resources.py B S H G N P R C [impl]
+(PTX_DIR: also write each kernel's PTX and TTGIR there)"""
 import inspect
 import os
 import subprocess
@@ -56,6 +57,10 @@ def _compile(self, *args, grid, warmup, **kwargs):
         f.flush()
         res = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
                              text=True).stdout
+    if os.environ.get("PTX_DIR"):  # for reading load widths, layouts and conversions
+        for ext in ("ptx", "ttgir"):
+            with open(os.path.join(os.environ["PTX_DIR"], f"{self.fn.__name__}.{ext}"), "w") as f:
+                f.write(k.asm[ext])
     line = [x for x in res.splitlines() if "REG:" in x][0].strip()
     print(f"{self.fn.__name__:28s} warps={opts.get('num_warps')} {line} "
           f"shared(meta)={k.metadata.shared}")

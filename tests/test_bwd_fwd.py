@@ -300,9 +300,13 @@ def test_out_states_policy():
 
 def test_host_integer_helpers():
     """cdiv and next_pow2 (the launchers' replacements for triton.cdiv and
-    triton.next_power_of_2) agree with them."""
+    triton.next_power_of_2) agree with them; batch_align finds the largest power of two up to
+    its cap that divides every stride."""
     import triton
-    from mamba3_mimo.kernels import cdiv, next_pow2
+    from mamba3_mimo.kernels import batch_align, cdiv, next_pow2
+    assert [batch_align(4, s) for s in (0, 1, 2, 3, 4, 6, 8, 12, 1 << 20)] == [4, 1, 2, 1, 4, 2,
+                                                                                4, 4, 4]
+    assert batch_align(4, 8, 6) == 2 and batch_align(1, 8) == 1 and batch_align(8, 24) == 8
     for a in range(1, 300):
         assert next_pow2(a) == triton.next_power_of_2(a)
         for b in (1, 2, 3, 16, 64, 512):

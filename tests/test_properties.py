@@ -53,6 +53,17 @@ def _offset(x):
     return buf[1:].view(x.shape)
 
 
+def _odd_leading_stride(x):
+    """Same values, each slice of the first dim one element further than the last ends, so that
+    the batch stride is odd (the kernels then cannot assume aligned (b, h) slices)."""
+    if x.dim() < 2:
+        return _every_other(x)
+    inner = x[0].numel()
+    buf = torch.full((x.shape[0], inner + 1), float("nan"), dtype=x.dtype, device=x.device)
+    buf[:, :inner] = x.reshape(x.shape[0], inner)
+    return buf[:, :inner].unflatten(1, x.shape[1:])
+
+
 def _expanded(name, x):
     """Stride 0 along the head dim for per-head parameters, along the batch dim for dout;
     the values change (first slice repeated), the contiguous comparison uses the same values."""
@@ -67,6 +78,7 @@ LAYOUTS = {
     "every_other": lambda name, x: _every_other(x),
     "transposed": lambda name, x: _transposed(x),
     "offset": lambda name, x: _offset(x),
+    "odd_leading_stride": lambda name, x: _odd_leading_stride(x),
     "expanded": _expanded,
 }
 

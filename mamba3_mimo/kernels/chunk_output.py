@@ -15,7 +15,7 @@ dot from registers instead (docs/optimisation.md, step 19).
 import triton
 import triton.language as tl
 
-from . import cdiv
+from . import batch_align, cdiv
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
                      load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
 from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
@@ -59,8 +59,10 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-                        PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr):
-    """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps."""
+                        PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
+                        BA: tl.constexpr):
+    """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps.
+    sqb, skb, svb, sgb, sgh come divided by BA (kernels.batch_align)."""
     bh = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1).to(tl.int64)
     pid_p = tl.program_id(2)
@@ -78,8 +80,9 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
     inter = tl.zeros([BP, TP * RP], dtype=tl.float32)  # transposed
     st = states + (bh * nc + o * U) * N * P
-    qx, q_off = q + b * sqb + g * sqg, tg * sqs + r * sqr
-    kx, k_off = k + b * skb + g * skg, tg * sks + r * skr
+    qx, q_off = q + b * (sqb * BA) + g * sqg, tg * sqs + r * sqr
+    kx, k_off = k + b * (skb * BA) + g * skg, tg * sks + r * skr
+    vh = b * (svb * BA) + h * svh  # the (b, h) slice of v, dout and z
     # Unrolled: the loads of every pair block are issued together, so the program waits for
     # memory about once instead of once per block (docs/optimisation.md, step 3).
     for j0 in tl.static_range(0, HALF, BJ):
@@ -95,9 +98,9 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     if U > 1:
         log_q = tl.load(terms + LOG_Q * plane + row + tg, mask=rows, other=0.0)
         log_k = tl.load(terms + LOG_K * plane + row + tg, mask=rows, other=0.0)
-    w = tile_weights(segsum + b * sgb + h * sgh + o * U * sgc, log_q, log_k, t, rows, C, gamma,
-                     trap_scale, U)
-    psi_v = load_psi_v_steps(v + b * svb + h * svh, (t0 + tt) * svs, tt < steps,
+    w = tile_weights(segsum + b * (sgb * BA) + h * (sgh * BA) + o * U * sgc, log_q, log_k, t,
+                     rows, C, gamma, trap_scale, U)
+    psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, tt < steps,
                              mimo_v + h * R * P, R, p, pm, P, svp, RP)
     q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
     psi_t = tl.trans(psi_v)
@@ -106,7 +109,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         raw_t += tl.load(d + h) * psi_t
     # [BP, TP * RP] -> [TP, RP, BP]: a relabelling of the dot's layout, no data movement
     raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
-    sum_o, sum_z = gate_epilogue_steps(raw, dout + b * svb + h * svh, z + b * svb + h * svh,
+    sum_o, sum_z = gate_epilogue_steps(raw, dout + vh, z + vh,
                                        (t0 + tt) * svs, (tt < steps) & (t0 + tt < S),
                                        mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P, svp,
                                        dz + (b * S * H + h) * P, (t0 + tt) * H * P, HAS_Z)
@@ -127,6 +130,8 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     n_tiles = cdiv(m["nc"], m["U"])
     grid = (B * H, n_tiles, cdiv(m["P"], cfg["BP"]))
     seg = a["segsum"]
+    qs, ks, vs, gs = a["q"].stride(), a["k"].stride(), a["v"].stride(), seg.stride()
+    BA = batch_align(m["ALIGN"], qs[0], ks[0], vs[0], gs[0], gs[1])
     kernel = chunk_output_kernel.warmup if warmup else chunk_output_kernel[grid]
     return kernel(
         a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
@@ -134,9 +139,9 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         out["states"] if m["OUT_STATES"] else out["inc"], out["qk_dot"], out["dz"], out["part_o"],
         out["part_z"],
         m["S"], m["S_pad"], B * H * m["S_pad"], m["nc"], n_tiles, H, H // m["G"],
-        *a["q"].stride(), *a["k"].stride(), *a["v"].stride(), seg.stride(0), seg.stride(1),
-        seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],
+        qs[0] // BA, *qs[1:], ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], gs[0] // BA,
+        gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],
         cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"],
+        m["OPAQUE"], BA,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
         **({"grid": grid} if warmup else {}))

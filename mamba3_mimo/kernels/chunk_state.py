@@ -8,7 +8,7 @@ a serial loop of multiply-adds over [BLOCK] slices whose loads do not depend on 
 import triton
 import triton.language as tl
 
-from . import cdiv
+from . import batch_align, cdiv
 from .common import chunk_rows, dot, load_cos_sin, load_psi_v_steps, load_rotated
 from .step_terms import K_DECAY
 
@@ -18,9 +18,11 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
                            S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh,
                            svp, R, N: tl.constexpr, P: tl.constexpr, C,
                            TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
-                           BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+                           BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
+                           BA: tl.constexpr):
     """inc[b, h, c + 1] = sum_{t in chunk c} k_w[t]^T psi_v[t] with
-    k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1."""
+    k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1. skb and svb come
+    divided by BA (kernels.batch_align)."""
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     j0 = (tl.program_id(2) % n_jb) * BJ
@@ -32,11 +34,11 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     pm = p < P
     row = bh * S_pad
     cs, sn = load_cos_sin(cos + row * RD, sin + row * RD, tg * RD, rows, j0, BJ, RD)
-    k1, k2 = load_rotated(k + b * skb + (h // HG) * skg, tg * sks + r * skr, rows,
+    k1, k2 = load_rotated(k + b * (skb * BA) + (h // HG) * skg, tg * sks + r * skr, rows,
                           k_bias + h * R * N, r * N, cs, sn, j0, BJ, HALF, skn, True)
     w = tl.load(terms + K_DECAY * plane + row + tg, mask=rows, other=0.0)[:, None]
     tt = tl.arange(0, TP)
-    psi_v = load_psi_v_steps(v + b * svb + h * svh, (c * C + tt) * svs, tt < C, mimo_v + h * R * P,
+    psi_v = load_psi_v_steps(v + b * (svb * BA) + h * svh, (c * C + tt) * svs, tt < C, mimo_v + h * R * P,
                              R, p, pm, P, svp, RP)
     # psi_v^T (k_w) rather than k_w^T psi_v: k_w, built by elementwise ops, is then the B
     # operand, which always goes through shared memory; as the transposed A operand Triton
@@ -87,10 +89,12 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     half = N // 2
     n_jb = cdiv(half, cfg["BJ"])
     grid = (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"]))
+    ks, vs = a["k"].stride(), a["v"].stride()
+    BA = batch_align(m["ALIGN"], ks[0], vs[0])
     args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"],
             out["inc"], m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb,
-            *a["k"].stride(), *a["v"].stride(), m["R"], N, P, m["C"], m["TP"], m["RP"], half,
-            m["RD"], cfg["BJ"], cfg["BP"], m["PREC"])
+            ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], m["R"], N, P, m["C"], m["TP"], m["RP"],
+            half, m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA)
     if warmup:
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
     if grid[1] > 0:
