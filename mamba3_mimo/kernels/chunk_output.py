@@ -18,6 +18,7 @@ import triton.language as tl
 from . import cdiv
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
                      load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
+from .launcher import launch_kernel
 from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 
@@ -126,8 +127,7 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     n_tiles = cdiv(m["nc"], m["U"])
     grid = (B * H, n_tiles, cdiv(m["P"], cfg["BP"]))
     seg = a["segsum"]
-    kernel = chunk_output_kernel.warmup if warmup else chunk_output_kernel[grid]
-    return kernel(
+    args = (
         a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
         a["mimo_o"], a["mimo_z"], a["d"], out["terms"], out["cos"], out["sin"], seg,
         out["inc"], out["qk_dot"], out["dz"], out["part_o"], out["part_z"],
@@ -135,6 +135,9 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         *a["q"].stride(), *a["k"].stride(), *a["v"].stride(), seg.stride(0), seg.stride(1),
         seg.stride(2), m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],
         cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
-        **({"grid": grid} if warmup else {}))
+        m["OPAQUE"])
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                   maxnreg=cfg["maxnreg"])
+    if warmup:
+        return chunk_output_kernel.warmup(*args, grid=grid, **options)
+    return launch_kernel(chunk_output_kernel, grid, args, **options)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from . import cdiv
 from .common import chunk_rows, dot, load_cos_sin, load_psi_v_steps, load_rotated
+from .launcher import launch_kernel
 from .step_terms import K_DECAY
 
 
@@ -92,8 +93,9 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     if warmup:
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
     if grid[1] > 0:
-        chunk_increment_kernel[grid](*args, num_warps=cfg["num_warps"])
+        launch_kernel(chunk_increment_kernel, grid, args, num_warps=cfg["num_warps"])
     pgrid = (B * H, cdiv(N * P, cfg["BLOCK"]))
-    state_passing_kernel[pgrid](out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"],
-                                m["C"], m["U"], N * P, cfg["BLOCK"],
-                                out["inc"].data_ptr() != out["states"].data_ptr(), num_warps=4)
+    launch_kernel(state_passing_kernel, pgrid,
+                  (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
+                   N * P, cfg["BLOCK"], out["inc"].data_ptr() != out["states"].data_ptr()),
+                  num_warps=4)
