@@ -7,14 +7,17 @@ inputs, Z and D on, fp32 outputs).
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
 (filter "" = every official shape; "none" = none, e.g. for a CPU dry run with TRITON_INTERPRET=1)
 VARIANTS_JSON: a list of {"name": str, "meta": {...}, "state_cfg": {...}, "output_cfg": {...},
-"state_min": {...}, "output_min": {...}, "state_meta": {...}, "output_meta": {...}};
+"state_min": {...}, "output_min": {...}, "state_meta": {...}, "output_meta": {...},
+"direct": bool};
 "meta" overrides entries of dispatch._meta (e.g. {"PREC": "bf16x3"}), a cfg overrides entries of
 the first candidate of that kernel's list (e.g. {"BP": 64}; the fallbacks stay), and
 "state_min" / "output_min" raise entries of it to a lower bound (e.g. {"BP": 32}), and
 "state_meta" / "output_meta" override meta entries for that kernel's launcher only (e.g.
-{"PREC": "bf16x3"} for chunk_increment alone); "check": false skips the error sweep for a
-variant whose arithmetic is the baseline's (a launch path, a prefetch), which saves most of
-its first round. The first variant is the baseline.
+{"PREC": "bf16x3"} for chunk_increment alone); "direct": false sends every production launch
+through Triton's JITFunction.run instead of kernels.launcher's direct launches (launcher.DIRECT),
+e.g. [{"name": "triton", "direct": false}, {"name": "direct"}]; "check": false skips the error
+sweep for a variant whose arithmetic is the baseline's (a launch path, a prefetch), which saves
+most of its first round. The first variant is the baseline.
 Writes $OUT/ab.json and prints the comparison table.
 """
 import json
@@ -40,7 +43,9 @@ def apply(variant: dict) -> None:
     """Patch the dispatcher so that `impl="chunked"` runs this variant."""
     import functools
     from mamba3_mimo import dispatch
-    from mamba3_mimo.kernels import chunk_output, chunk_state
+    from mamba3_mimo.kernels import chunk_output, chunk_state, launcher
+    if "direct" in variant:
+        launcher.DIRECT = bool(variant["direct"])
     meta, states, outputs = dispatch._meta, dispatch._state_candidates, dispatch._output_candidates
     dispatch._meta = lambda pb: _override(meta(pb), variant.get("meta", {}), variant["name"])
     # meta entries for one kernel only (e.g. its PREC); wraps keeps the launcher's __module__,
@@ -83,6 +88,7 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     from conftest import THRESHOLDS, rel_rms
     from mamba3_mimo import api
     from mamba3_mimo.inputs import make_inputs, official_shapes
+    from mamba3_mimo.kernels import launcher
     from mamba3_mimo.reference import bwd_fwd_reference
     from test_bwd_fwd import _sweep_shapes
 
@@ -96,7 +102,10 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
         a = make_inputs(s, torch.bfloat16, device=dev, seed=1)
         a.pop("adt")
         log.clear()
+        # the log patches fn.run, which direct launches bypass after a signature's first launch
+        direct, launcher.DIRECT = launcher.DIRECT, False
         api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
+        launcher.DIRECT = direct
         res["kernels"][s.name] = sorted(set(log))
         res["times"][s.name] = triton.testing.do_bench(
             lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"), rep=25,

@@ -18,6 +18,7 @@ from triton.runtime.jit import JITFunction
 
 from mamba3_mimo import api, dispatch
 from mamba3_mimo.inputs import Shape, make_inputs
+from mamba3_mimo.kernels import launcher
 
 _TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -67,11 +68,19 @@ def _compile(self, *args, grid, warmup, **kwargs):
     return k
 
 
+def _patch() -> None:
+    """Compile instead of launching, on any device. The production launcher goes through
+    Triton's path (JITFunction.run, patched here) rather than launching directly, which needs a
+    GPU driver."""
+    JITFunction.run = _compile
+    dispatch.check_device = lambda device: None
+    launcher.DIRECT = False
+
+
 def main():
     dims = [int(x) for x in sys.argv[1:9]]
     impl = sys.argv[9] if len(sys.argv) > 9 else "chunked"
-    JITFunction.run = _compile
-    dispatch.check_device = lambda device: None
+    _patch()
     s = Shape(*dims)
     a = make_inputs(s, torch.bfloat16, seed=0)
     a.pop("adt")
@@ -80,8 +89,7 @@ def main():
 
 def sweep(dims, state_cfgs, output_cfgs):
     """Print resources for each (state, output) config pair on one shape."""
-    JITFunction.run = _compile
-    dispatch.check_device = lambda device: None
+    _patch()
     s = Shape(*dims)
     a = make_inputs(s, torch.bfloat16, seed=0)
     a.pop("adt")

@@ -206,6 +206,24 @@ def assert_outputs_equal(a, b, what: str = "") -> None:
                                  f"(max |diff| {(x.double() - y.double()).abs().max().item():.3e})")
 
 
+def record_launches(monkeypatch, forward: bool = True) -> list:
+    """Record (fn, grid, args, options) of each production launch (`launcher.launch_kernel` as
+    step_terms, chunk_state and chunk_output call it); forward=False records without launching,
+    which leaves the outputs unwritten."""
+    from mamba3_mimo.kernels import chunk_output, chunk_state, step_terms
+    log = []
+
+    def recorder(launch):
+        def record(fn, grid, args, **options):
+            log.append((fn, grid, args, options))
+            return launch(fn, grid, args, **options) if forward else None
+        return record
+
+    for module in (step_terms, chunk_state, chunk_output):
+        monkeypatch.setattr(module, "launch_kernel", recorder(module.launch_kernel))
+    return log
+
+
 # ---------------------------------------------------------------------------- summary hook
 
 

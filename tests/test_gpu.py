@@ -1,5 +1,6 @@
 """GPU-only checks: determinism at full size, no recompilation across batch and sequence length,
-a small shared-memory budget, and index arithmetic past 2**31 elements."""
+a small shared-memory budget, index arithmetic past 2**31 elements, and the production path's
+direct launches."""
 import importlib
 import pkgutil
 
@@ -8,10 +9,11 @@ import torch
 from triton.runtime.jit import JITFunction
 
 import mamba3_mimo.kernels
-from conftest import (IMPLS, assert_outputs_equal, check_outputs, op_args, problem, requires_gpu,
-                      run_op, seed_for)
+from conftest import (IMPLS, assert_outputs_equal, check_outputs, op_args, problem,
+                      record_launches, requires_gpu, run_op, seed_for)
 from mamba3_mimo import dispatch
 from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
+from mamba3_mimo.kernels import launcher
 from mamba3_mimo.reference import bwd_fwd_reference
 
 pytestmark = requires_gpu
@@ -44,7 +46,9 @@ def compiled_count() -> int:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The compiled kernels actually launched during the test (not compile-only warmups)."""
+    """The compiled kernels actually launched during the test (not compile-only warmups).
+    Every launch goes through Triton's fn.run, which the direct launches would bypass."""
+    monkeypatch.setattr(launcher, "DIRECT", False)
     log = []
     for fn in kernel_functions():
         def run(*args, _orig=fn.run, _fn=fn, grid, warmup, **kwargs):
@@ -140,3 +144,56 @@ def test_launched_kernel_resources(shape, launches):
         assert k.n_spills == 0, f"chunk_increment spills {k.n_spills} bytes ({k.n_regs} registers)"
         if torch.cuda.get_device_capability()[0] == 9:
             assert "warp_group_dot" in k.asm["ttgir"], "chunk_increment's dot is not on wgmma"
+
+
+def test_direct_launch_runs_tritons_kernel(monkeypatch):
+    """The production launcher's direct launches (kernels.launcher) run the kernel Triton itself
+    picks for the same arguments, for aligned inputs and for a q misaligned by two elements
+    (Triton compiles chunk_output without q's 16-byte alignment then): the second call of the
+    operator launches no kernel through Triton, the kept kernel of every launch is the one
+    fn.warmup returns for its arguments, and the outputs equal Triton's path bit for bit."""
+    monkeypatch.setattr(launcher, "DIRECT", True)
+    monkeypatch.setattr(launcher, "_kept", {})
+    through_triton = []
+    for fn in kernel_functions():
+        def run(*args, _orig=fn.run, _fn=fn, grid, warmup, **kwargs):
+            if not warmup:
+                through_triton.append(_fn.__name__)
+            return _orig(*args, grid=grid, warmup=warmup, **kwargs)
+        monkeypatch.setattr(fn, "run", run)
+    log = record_launches(monkeypatch)
+    shape = official_shapes()[0]
+    args = op_args(make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape)))
+    q = args["q"]
+    buf = torch.empty(q.numel() + 2, device=q.device, dtype=q.dtype)
+    shifted = buf[2:].view(q.shape).copy_(q)
+    assert shifted.data_ptr() % 16 != 0
+    output_kernels = []
+    # first calls: every kernel through Triton, then only chunk_output (the others' arguments
+    # keep their keys); second calls: none
+    for what, a, first in (("aligned", args, ["step_terms_kernel", "chunk_increment_kernel",
+                                               "state_passing_kernel", "chunk_output_kernel"]),
+                           ("q misaligned", dict(args, q=shifted), ["chunk_output_kernel"])):
+        monkeypatch.setattr(launcher, "DIRECT", False)
+        want = run_op(a, "chunked")
+        monkeypatch.setattr(launcher, "DIRECT", True)
+        log.clear()
+        outs = []
+        for call in (1, 2):
+            through_triton.clear()
+            outs.append(run_op(a, "chunked"))
+            assert through_triton == (first if call == 1 else []), (
+                f"{what}, call {call}: launched through Triton: {through_triton}")
+        torch.cuda.synchronize()
+        assert len(log) == 8, f"{what}: {len(log)} launches, expected 4 per call"
+        for fn, grid, kargs, options in log:
+            kept = launcher.kept_kernel(fn, kargs, **options)
+            assert kept is not None, f"{what}: nothing kept for {fn.__name__}"
+            assert kept is fn.warmup(*kargs, grid=grid, **options), (
+                f"{what}: {fn.__name__}: the kept kernel is not Triton's for these arguments")
+            if fn.__name__ == "chunk_output_kernel":
+                output_kernels.append(kept)
+        for i, o in enumerate(outs):
+            assert_outputs_equal(o, want, f"{what}, call {i + 1} against Triton's path: ")
+    assert output_kernels[0] is not output_kernels[-1], (
+        "misaligned q launched the chunk_output kernel compiled for an aligned q")

@@ -1,5 +1,6 @@
 """Triton kernels by family: `common` (shared math), `stage0` (baseline), `step_terms`,
-`chunk_state` and `chunk_output` (production); and the integer helpers of their launchers."""
+`chunk_state` and `chunk_output` (production, launched through `launcher`); and the integer
+helpers of their launchers."""
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,6 +18,7 @@ import triton.language as tl
 from . import batch_align, cdiv
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
                      load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
+from .launcher import launch_kernel
 from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 
@@ -132,16 +133,18 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     seg = a["segsum"]
     qs, ks, vs, gs = a["q"].stride(), a["k"].stride(), a["v"].stride(), seg.stride()
     BA = batch_align(m["ALIGN"], qs[0], ks[0], vs[0], gs[0], gs[1])
-    kernel = chunk_output_kernel.warmup if warmup else chunk_output_kernel[grid]
-    return kernel(
+    args = (
         a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
         a["mimo_o"], a["mimo_z"], a["d"], out["terms"], out["cos"], out["sin"], seg,
         out["states"] if m["OUT_STATES"] else out["inc"], out["qk_dot"], out["dz"], out["part_o"],
         out["part_z"],
         m["S"], m["S_pad"], B * H * m["S_pad"], m["nc"], n_tiles, H, H // m["G"],
         qs[0] // BA, *qs[1:], ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], gs[0] // BA,
-        gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2, m["RD"],
-        cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"], BA,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
-        **({"grid": grid} if warmup else {}))
+        gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
+        m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
+        m["OPAQUE"], BA)
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                   maxnreg=cfg["maxnreg"])
+    if warmup:
+        return chunk_output_kernel.warmup(*args, grid=grid, **options)
+    return launch_kernel(chunk_output_kernel, grid, args, **options)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from . import batch_align, cdiv
 from .common import chunk_rows, dot, load_cos_sin, load_psi_v_steps, load_rotated
+from .launcher import launch_kernel
 from .step_terms import K_DECAY
 
 
@@ -38,8 +39,8 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
                           k_bias + h * R * N, r * N, cs, sn, j0, BJ, HALF, skn, True)
     w = tl.load(terms + K_DECAY * plane + row + tg, mask=rows, other=0.0)[:, None]
     tt = tl.arange(0, TP)
-    psi_v = load_psi_v_steps(v + b * (svb * BA) + h * svh, (c * C + tt) * svs, tt < C, mimo_v + h * R * P,
-                             R, p, pm, P, svp, RP)
+    psi_v = load_psi_v_steps(v + b * (svb * BA) + h * svh, (c * C + tt) * svs, tt < C,
+                             mimo_v + h * R * P, R, p, pm, P, svp, RP)
     # psi_v^T (k_w) rather than k_w^T psi_v: k_w, built by elementwise ops, is then the B
     # operand, which always goes through shared memory; as the transposed A operand Triton
     # moved its whole computation into the dot-operand layout (255 registers and spills).
@@ -109,9 +110,10 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     if warmup:
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
     if grid[1] > 0:
-        chunk_increment_kernel[grid](*args, num_warps=cfg["num_warps"])
+        launch_kernel(chunk_increment_kernel, grid, args, num_warps=cfg["num_warps"])
     pgrid = (B * H, cdiv(N * P, cfg["BLOCK"]))
-    state_passing_kernel[pgrid](out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"],
-                                m["C"], m["U"], N * P, cfg["BLOCK"],
-                                out["inc"] is not out["states"] and not m["OUT_STATES"],
-                                cfg.get("PREFETCH", True), num_warps=4)
+    launch_kernel(state_passing_kernel, pgrid,
+                  (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
+                   N * P, cfg["BLOCK"], out["inc"] is not out["states"] and not m["OUT_STATES"],
+                   cfg.get("PREFETCH", True)),
+                  num_warps=4)

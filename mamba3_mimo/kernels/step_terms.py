@@ -11,6 +11,7 @@ import triton.language as tl
 
 from . import cdiv
 from .common import rotary_cos_sin, trap_terms
+from .launcher import launch_kernel
 
 # planes of the `terms` scratch [6, B*H, S_pad]
 GAMMA = tl.constexpr(0)
@@ -78,7 +79,7 @@ def launch(a: dict, out: dict, meta: dict) -> None:
     out["cos"] = torch.empty(n_bh, S_pad, RD, device=a["dt"].device, dtype=torch.float32)
     out["sin"] = torch.empty_like(out["cos"])
     BS = 32
-    step_terms_kernel[(n_bh, cdiv(S_pad, BS))](
+    launch_kernel(step_terms_kernel, (n_bh, cdiv(S_pad, BS)), (
         a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
         out["sin"], S_pad, n_bh, m["H"], m["nc"], m["C"], *a["angles"].stride(), RD, BS,
-        m["RDP"], m["U"])
+        m["RDP"], m["U"]))

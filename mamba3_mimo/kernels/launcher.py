@@ -1,0 +1,218 @@
+"""Launches the production kernels with less host time than `kernel[grid](...)`: the first
+launch of each argument signature goes through Triton, later ones call the compiled kernel's
+launcher directly.
+
+Triton's `JITFunction.run` specialises every argument, looks its cache key up (a string of the
+specialisation and the options) and builds a launch-metadata dict on every call: on the H200,
+65-70 us of the operator's four launches, whose compiled launchers take 29-30 us
+(docs/optimisation.md, step 24). Here the key is a tuple built mostly by C loops over the
+arguments, at least as fine as Triton's specialisation (`signature_key`), so that equal keys
+always mean the same compiled kernel; compilation and every check of a first launch stay
+Triton's.
+
+What a direct launch leaves out, compared with Triton's: launch hooks, pre-run hooks and JIT
+hooks (with any registered, every launch goes through Triton); the check that the global
+variables a kernel reads have not changed since it was compiled, and a change of the kernel's
+source after its first launch (the production kernels read only constexpr globals and are never
+edited at run time).
+"""
+from __future__ import annotations
+
+import os
+from itertools import repeat
+from operator import and_, attrgetter, itemgetter, not_
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime.driver import driver
+
+# False: every launch goes through Triton's own path (A/B runs, tests that patch `fn.run`).
+# The direct call follows Triton 3.6's internal CompiledKernel.run signature: another version
+# keeps Triton's path until the launcher is checked against it.
+DIRECT = triton.__version__.split(".")[:2] == ["3", "6"]
+
+# Past this many kept kernels the table is cleared (each argument signature costs one Triton
+# launch to refill); the operator uses a handful per model shape.
+MAX_KEPT = 4096
+
+# per-position kinds of a kernel's parameters
+_CONSTEXPR, _SPECIALISED, _DNS = 0, 1, 2
+# types keyed by value outside constexpr positions (Triton specialises them on their value,
+# their type or not at all)
+_VALUE_TYPES = (int, bool, float, str, type(None))
+
+_dtype = attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _getter(positions: list) -> Callable[[tuple], tuple]:
+    """args -> the tuple of args at these positions (in C, where itemgetter applies)."""
+    if len(positions) > 1:
+        return itemgetter(*positions)
+    if positions:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return lambda args: ()
+
+
+class _Layout:
+    """How to key one kernel's arguments for one list of argument types: the positions of
+    tensors, of ints of do_not_specialize parameters, and of values keyed as they are. Most of
+    the key is then built by C loops (map, itemgetter) instead of a Python loop over up to 60
+    arguments."""
+    __slots__ = ("exact", "tensors", "dns")
+
+    def __init__(self, exact: list, tensors: list, dns: list):
+        self.exact, self.tensors, self.dns = _getter(exact), _getter(tensors), _getter(dns)
+
+    def values(self, args: tuple) -> tuple:
+        tensors = self.tensors(args)
+        # native_specialize_impl types an int of a do_not_specialize parameter by its range
+        # only; beyond u64 it raises, and the exact value then sends the launch to Triton
+        dns = tuple(["i32" if -0x80000000 <= v <= 0x7FFFFFFF else
+                     "i64" if -0x8000000000000000 <= v <= 0x7FFFFFFFFFFFFFFF else
+                     "u64" if 0 <= v <= 0xFFFFFFFFFFFFFFFF else v for v in self.dns(args)])
+        # never the tensors themselves: the table would keep their memory alive
+        return (self.exact(args), tuple(map(_dtype, tensors)),
+                tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))), dns)
+
+
+class _Plan:
+    """What launch_kernel keeps per kernel."""
+    __slots__ = ("fn", "kinds", "interpreted", "layouts")
+
+    def __init__(self, fn: Any):
+        self.fn = fn  # held so that id(fn), the key of _plans, is never reused
+        # None for an interpreted kernel, which has no KernelParams (and is never keyed)
+        self.kinds = (tuple(_CONSTEXPR if p.is_constexpr else _DNS if p.do_not_specialize
+                            else _SPECIALISED for p in fn.params)
+                      if hasattr(fn, "params") else None)
+        # Triton picks the interpreter when the kernel is decorated, once: reading the
+        # environment on every launch would cost more than the rest of a direct launch
+        self.interpreted = _interpreter_active()
+        self.layouts: Dict[tuple, Any] = {}  # argument types -> _Layout, or False: not keyed
+
+    def layout(self, types: tuple) -> Any:
+        """The _Layout for these argument types, or False when one of them is not keyed (a
+        tensor given as a constexpr, a tuple, a numpy scalar...)."""
+        layout = self.layouts.get(types)
+        if layout is None:
+            layout = self.layouts[types] = self._new_layout(types)
+        return layout
+
+    def _new_layout(self, types: tuple) -> Any:
+        if self.kinds is None:
+            return False
+        exact, tensors, dns = [], [], []
+        for i, (kind, t) in enumerate(zip(self.kinds, types)):
+            if issubclass(t, torch.Tensor):
+                if kind == _CONSTEXPR:
+                    return False
+                tensors.append(i)
+            elif t is int and kind == _DNS:
+                dns.append(i)
+            elif t in _VALUE_TYPES or kind == _CONSTEXPR:
+                exact.append(i)
+            else:
+                return False
+        return _Layout(exact, tensors, dns)
+
+
+_plans: Dict[int, _Plan] = {}
+_kept: Dict[tuple, Any] = {}
+
+
+def _interpreter_active() -> bool:
+    # as dispatch.interpreter_active, which cannot be imported here (dispatch imports kernels)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _plan(fn: Any) -> _Plan:
+    plan = _plans.get(id(fn))
+    if plan is None:
+        plan = _plans[id(fn)] = _Plan(fn)
+    return plan
+
+
+def _hooked(fn: Any) -> bool:
+    """True when a hook is registered that Triton's path would call: pre-run hooks of fn, launch
+    hooks, or JIT hooks. A HookChain is active when it holds calls; a hook set to None is not,
+    and one set to a plain callable is."""
+    rt = knobs.runtime
+    return bool(fn.pre_run_hooks or getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
+                or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook)
+                or rt.jit_cache_hook is not None or rt.jit_post_compile_hook is not None)
+
+
+def signature_key(fn: Any, args: tuple) -> Optional[tuple]:
+    """A hashable key of the arguments' specialisation, at least as fine as Triton's: two
+    argument lists with the same key get the same compiled kernel from Triton (for the same
+    options and device). None when an argument is of a kind this does not key (a tensor given
+    as a constexpr, a tuple, a numpy scalar...): launch_kernel then leaves it to Triton.
+
+    Per argument: a tensor, its dtype and whether its address is 16-byte aligned (even where
+    Triton ignores the alignment); an int of a do_not_specialize parameter, whether it fits
+    i32, i64 or u64; any other value (specialised ints, bools, floats, None, strings,
+    constexprs), the value itself; with the types of all arguments, which tell 1, True and 1.0
+    apart (they compare and hash equal).
+    """
+    types = tuple(map(type, args))
+    layout = _plan(fn).layout(types)
+    return (types,) + layout.values(args) if layout else None
+
+
+def _key(plan: _Plan, device: int, args: tuple, options: dict) -> Optional[tuple]:
+    """The key of launch_kernel's table: signature_key with the _Layout standing for the
+    argument types (and the kernel) it was found by, plus what Triton adds to the options."""
+    layout = plan.layout(tuple(map(type, args)))
+    if not layout:
+        return None
+    # debug and the instrumentation mode are global knobs that Triton adds to the options
+    return (layout, device, tuple(sorted(options.items())), knobs.runtime.debug,
+            knobs.compilation.instrumentation_mode) + layout.values(args)
+
+
+def launch_kernel(fn: Any, grid: Tuple[int, ...], args: tuple, **options: Any) -> Any:
+    """fn[grid](*args, **options), with Triton's per-call binding skipped after the first launch
+    of each argument signature. `args` holds every parameter of fn in order, constexprs
+    included; grid is a tuple of one to three ints; options are Triton's launch options
+    (num_warps, num_stages, maxnreg...). Returns the compiled kernel, as fn[grid] does."""
+    if not DIRECT:
+        return fn[grid](*args, **options)
+    plan = _plan(fn)
+    if plan.interpreted or _hooked(fn):
+        return fn[grid](*args, **options)
+    # Triton's binder checks the count on its path; a direct launch would pass the arguments to
+    # the compiled launcher unchecked
+    assert len(args) == len(fn.arg_names), (
+        f"{fn.__name__}: {len(args)} arguments for {len(fn.arg_names)} parameters")
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    try:
+        key = _key(plan, device, args, options)
+        kernel = None if key is None else _kept.get(key)
+    except TypeError:  # an unhashable constexpr
+        key = kernel = None
+    if kernel is None:
+        kernel = fn.run(*args, grid=grid, warmup=False, **options)
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        if key is not None and kernel is not None:
+            if len(_kept) >= MAX_KEPT:
+                _kept.clear()
+            _kept[key] = kernel
+        return kernel
+    n = len(grid)
+    # as JITFunction.run launches, with no launch metadata and no hooks: _hooked() is False
+    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream,
+               kernel.function, kernel.packed_metadata, None, None, None, *args)
+    return kernel
+
+
+def kept_kernel(fn: Any, args: tuple, **options: Any) -> Any:
+    """The compiled kernel that launch_kernel keeps for these arguments and options on the
+    current device, or None (for tests)."""
+    key = _key(_plan(fn), driver.active.get_current_device(), args, options)
+    return None if key is None else _kept.get(key)
