@@ -54,7 +54,7 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
 
 @triton.jit(do_not_specialize=["S_pad", "nc"])
 def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.constexpr,
-                         BLOCK: tl.constexpr, KEEP_FP32: tl.constexpr, PREFETCH: tl.constexpr):
+                         BLOCK: tl.constexpr, KEEP_FP32: tl.constexpr):
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], states[0] = 0, on [BLOCK] slices.
 
     inc may alias states (fp32 outputs): each slice is read before it is overwritten. With
@@ -69,24 +69,13 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
     tl.store(states + base, running.to(states.dtype.element_ty), mask=m)
     if KEEP_FP32:
         tl.store(inc + base, running, mask=m)
-    # Each step's loads are issued one step ahead: with one load in flight per warp the loop
-    # reached 72 % of the DRAM bandwidth (docs/optimisation.md, step 28).
-    x = tl.load(inc + base + NP_SIZE, mask=m & (nc > 1), other=0.0)
-    log_decay = tl.load(da_cs + bh * S_pad + C - 1, mask=nc > 1, other=0.0)
     for c in range(1, nc):
-        if PREFETCH:
-            x_next = tl.load(inc + base + (c + 1) * NP_SIZE, mask=m & (c + 1 < nc), other=0.0)
-            log_decay_next = tl.load(da_cs + bh * S_pad + (c + 1) * C - 1, mask=c + 1 < nc,
-                                     other=0.0)
-        else:
-            x = tl.load(inc + base + c * NP_SIZE, mask=m, other=0.0)
-            log_decay = tl.load(da_cs + bh * S_pad + c * C - 1)
-        running = running * tl.exp(log_decay) + x
+        x = tl.load(inc + base + c * NP_SIZE, mask=m, other=0.0)
+        decay = tl.exp(tl.load(da_cs + bh * S_pad + c * C - 1))
+        running = running * decay + x
         tl.store(states + base + c * NP_SIZE, running.to(states.dtype.element_ty), mask=m)
         if KEEP_FP32:
             tl.store(inc + base + c * NP_SIZE, running, mask=m & (c % U == 0))
-        if PREFETCH:
-            x, log_decay = x_next, log_decay_next
 
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
@@ -114,6 +103,5 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     pgrid = (B * H, cdiv(N * P, cfg["BLOCK"]))
     launch_kernel(state_passing_kernel, pgrid,
                   (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
-                   N * P, cfg["BLOCK"], out["inc"] is not out["states"] and not m["OUT_STATES"],
-                   cfg.get("PREFETCH", True)),
+                   N * P, cfg["BLOCK"], out["inc"] is not out["states"] and not m["OUT_STATES"]),
                   num_warps=4)
