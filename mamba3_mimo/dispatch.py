@@ -265,10 +265,30 @@ def _prepare(args: dict, pb: Problem) -> dict:
     return a
 
 
+# Every kernel holds a chunk as one tile of next_pow2(C) * next_pow2(R) (step, rank) rows, with
+# a square [rows, rows] scores tile. 128 rows is the largest that compiles and that the GPU
+# suite covers (R = 8, C = 16); at 256 rows ptxas fails under chunk_output's register cap after
+# 30 s, at 512 after 6 minutes, and stage 0's qk_dot kernel asks for 256 KB of shared memory
+# (docs/optimisation.md, step 32). Larger chunks need tiles of part of a chunk.
+MAX_TILE_ROWS = 128
+
+
+def check_tile_rows(C: int, R: int) -> None:
+    """Raise NotImplementedError, naming chunk_size and R, for chunks larger than the kernels'
+    tiles (next_pow2(chunk_size) * next_pow2(R) > MAX_TILE_ROWS)."""
+    rows = next_pow2(C) * next_pow2(R)
+    if rows > MAX_TILE_ROWS:
+        raise NotImplementedError(
+            f"chunk_size={C} with R={R} (q.shape[2]) needs chunk tiles of {rows} (step, rank) "
+            f"rows; the kernels support next_pow2(chunk_size) * next_pow2(R) <= "
+            f"{MAX_TILE_ROWS}, i.e. chunk_size <= {MAX_TILE_ROWS // next_pow2(R)} at R={R}")
+
+
 def run(pb: Problem, args: dict, impl: str = "auto"):
     """Allocate the outputs and run the chosen implementation on padded inputs `args`."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_tile_rows(pb.C, pb.R)
     m = _meta(pb)
     a = _prepare(args, pb)
     dev, odt = pb.device, pb.output_dtype
