@@ -5,6 +5,7 @@ implementation ("stage0" baseline or "chunked" production) for tests and benchma
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Tuple
 
@@ -132,6 +133,35 @@ def pad_tail(args: dict, chunk_size: int) -> dict:
     return out
 
 
+def split_chunks(args: dict, chunk_size: int, sub: int, S: int) -> dict:
+    """The inputs of chunks of length chunk_size (padded to whole chunks, pad_tail) rewritten
+    for chunks of length `sub`, a divisor: within a chunk, da_cs restarts after each sub-chunk
+    (minus the value at the previous sub-chunk's end), da_cs_rev stops at the sub-chunk's end
+    (minus its value there) and segsum keeps its diagonal [sub, sub] blocks. Differences of the
+    given pieces on the host, as SPEC section 2 allows; the kernels then read them as given.
+    Sub-chunks wholly past the S valid steps are dropped: the kernels expect ceil(S / sub)."""
+    K = chunk_size // sub
+    out = dict(args)
+    B, H, S_pad = args["da_cs"].shape
+    nc = S_pad // chunk_size
+    da = args["da_cs"].reshape(B, H, nc, K, sub)
+    before = torch.cat([torch.zeros_like(da[..., :1, -1]), da[..., :-1, -1]], -1)
+    out["da_cs"] = (da - before[..., None]).reshape(B, H, S_pad)
+    rev = args["da_cs_rev"].reshape(B, H, nc, K, sub)
+    out["da_cs_rev"] = (rev - rev[..., -1:]).reshape(B, H, S_pad)
+    seg = args["segsum"].reshape(B, H, nc, K, sub, K, sub)
+    out["segsum"] = (torch.diagonal(seg, dim1=3, dim2=5).permute(0, 1, 2, 5, 3, 4)
+                     .reshape(B, H, nc * K, sub, sub))
+    n_sub = math.ceil(S / sub)
+    for name in ("dout", "q", "k", "v", "angles", "z"):
+        if out.get(name) is not None:
+            out[name] = out[name][:, :n_sub * sub]
+    for name in ("dt", "trap", "da_cs", "da_cs_rev"):
+        out[name] = out[name][..., :n_sub * sub]
+    out["segsum"] = out["segsum"][:, :, :n_sub]
+    return out
+
+
 def bwd_fwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor, k_bias: Tensor,
             mimo_v: Tensor, mimo_o: Tensor, angles: Tensor, da_cs: Tensor, da_cs_rev: Tensor,
             dt: Tensor, trap: Tensor, segsum: Tensor, mimo_z: Optional[Tensor] = None,
@@ -147,7 +177,13 @@ def bwd_fwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor, k_bia
                 mimo_o=mimo_o, angles=angles, da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap,
                 segsum=segsum, mimo_z=mimo_z, d=d, z=z)
     args = pad_tail(args, chunk_size)
-    return dispatch.run(problem, args, impl)
+    sub = dispatch.kernel_chunk_size(chunk_size, problem.R)
+    if sub == chunk_size:
+        return dispatch.run(problem, args, impl)
+    # chunks beyond the kernels' tiles run as sub-chunks; `states` keeps the model's chunks
+    outs = dispatch.run(dataclasses.replace(problem, C=sub),
+                        split_chunks(args, chunk_size, sub, problem.S), impl)
+    return (outs[0][:, :, ::chunk_size // sub].contiguous(),) + outs[1:]
 
 
 def mamba3_mimo_bwd_fwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor,
@@ -167,7 +203,7 @@ def mamba3_mimo_bwd_fwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: T
     Returns (states [B,H,nchunks,N,P], qk_dot [B,H,S,R,R], dmimo_o [B,H,R,P] fp32,
     dmimo_z [B,H,R,P] fp32 or None, dz [B,S,H,P] or None); states, qk_dot and dz are written in
     output_dtype. Raises ValueError/TypeError naming a bad argument and NotImplementedError on an
-    unsupported device (CPU without TRITON_INTERPRET=1, CUDA older than sm_80).
-    """
+    unsupported device (CPU without TRITON_INTERPRET=1, CUDA older than sm_80) or for R > 128.
+    Chunks larger than the kernels' tiles run as sub-chunks (split_chunks)."""
     return bwd_fwd(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt,
                    trap, segsum, mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype)

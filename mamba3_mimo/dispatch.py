@@ -269,7 +269,8 @@ def _prepare(args: dict, pb: Problem) -> dict:
 # a square [rows, rows] scores tile. 128 rows is the largest that compiles and that the GPU
 # suite covers (R = 8, C = 16); at 256 rows ptxas fails under chunk_output's register cap after
 # 30 s, at 512 after 6 minutes, and stage 0's qk_dot kernel asks for 256 KB of shared memory
-# (docs/optimisation.md, step 32). Larger chunks need tiles of part of a chunk.
+# (docs/optimisation.md, step 32). The public entry runs larger chunks as sub-chunks
+# (kernel_chunk_size, api.split_chunks).
 MAX_TILE_ROWS = 128
 
 
@@ -281,7 +282,22 @@ def check_tile_rows(C: int, R: int) -> None:
         raise NotImplementedError(
             f"chunk_size={C} with R={R} (q.shape[2]) needs chunk tiles of {rows} (step, rank) "
             f"rows; the kernels support next_pow2(chunk_size) * next_pow2(R) <= "
-            f"{MAX_TILE_ROWS}, i.e. chunk_size <= {MAX_TILE_ROWS // next_pow2(R)} at R={R}")
+            f"{MAX_TILE_ROWS}")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_chunk_size(C: int, R: int) -> int:
+    """The chunk length the kernels run for a model with chunk_size C and rank R: C itself when
+    its tile fits MAX_TILE_ROWS, else the largest divisor of C whose tile fits. The chunked form
+    holds for any chunk length, and the states at the model's chunk boundaries are every
+    (C // result)-th of the sub-chunks' (api.split_chunks). Raises NotImplementedError, naming
+    R, when not even a one-step tile fits (R > MAX_TILE_ROWS)."""
+    if next_pow2(R) > MAX_TILE_ROWS:
+        raise NotImplementedError(f"R={R} (q.shape[2]): the kernels hold at most "
+                                  f"{MAX_TILE_ROWS} (step, rank) rows per tile, so R <= "
+                                  f"{MAX_TILE_ROWS}")
+    return max(c for c in range(1, C + 1)
+               if C % c == 0 and next_pow2(c) * next_pow2(R) <= MAX_TILE_ROWS)
 
 
 def run(pb: Problem, args: dict, impl: str = "auto"):

@@ -137,21 +137,23 @@ def test_bad_output_dtype(good, output_dtype):
     _expect((ValueError, TypeError), good, ["output_dtype"], output_dtype=output_dtype)
 
 
-@pytest.mark.parametrize("R,chunk_size", [(4, 64), (8, 32), (2, 65), (3, 48), (1, 129)])
-def test_chunk_tiles_too_large(R, chunk_size):
-    """Chunks beyond the kernels' 128-row tiles raise at once, naming chunk_size and R and the
-    largest chunk_size supported at that R, for every impl; the largest supported chunks run
-    (R = 8, C = 16 in test_bwd_fwd's sweep; R = 1, C = 128 here)."""
+def test_tiles_beyond_the_kernels():
+    """The kernels' tiles hold at most 128 (step, rank) rows. dispatch.run refuses a larger
+    chunk tile, naming chunk_size and R (the public entry splits such chunks, test_bwd_fwd's
+    test_large_chunks), and an R whose one-step tile is larger is refused, naming R, for
+    every impl."""
     from mamba3_mimo.kernels import next_pow2
-    shape = Shape(1, chunk_size, 2, 1, 16, 16, R, chunk_size)
+    for C, R in ((64, 4), (32, 8), (129, 1)):
+        assert next_pow2(C) * next_pow2(R) > dispatch.MAX_TILE_ROWS
+        with pytest.raises(NotImplementedError, match=rf"chunk_size={C} with R={R}\b"):
+            dispatch.check_tile_rows(C, R)
+    dispatch.check_tile_rows(16, 8)
+    dispatch.check_tile_rows(128, 1)
+    shape = Shape(1, 4, 2, 1, 2, 2, 129, 1, rotary_dim_divisor=2)
     args = op_args(make_inputs(shape, torch.float32, False, False, device=DEVICE, seed=1))
     for impl in ("auto", "chunked", "stage0"):
-        with pytest.raises(NotImplementedError,
-                           match=rf"chunk_size={chunk_size}.*R={R}.*chunk_size <= "
-                                 rf"{128 // next_pow2(R)}\b"):
+        with pytest.raises(NotImplementedError, match=r"R=129\b.*R <= 128"):
             api.bwd_fwd(**args, impl=impl)
-    edge = Shape(1, 128, 2, 1, 16, 16, 1, 128)
-    run_op(op_args(make_inputs(edge, torch.float32, False, False, device=DEVICE, seed=1)))
 
 
 def test_bad_impl(good):

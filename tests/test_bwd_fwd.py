@@ -215,6 +215,23 @@ def test_sweep(shape, impl):
     check_outputs(run_op(args, impl), golden, bench, dtype)
 
 
+# ---------------------------------------------------------------------------- large chunks
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("R, C, S, sub", [(4, 64, 150, 32), (8, 32, 70, 16), (3, 48, 96, 24),
+                                          (2, 65, 130, 13)],
+                         ids=["R4_C64_tail", "R8_C32_tail", "R3_C48", "R2_C65"])
+def test_large_chunks(R, C, S, sub, impl):
+    """Chunks beyond the kernels' 128-row tiles run as sub-chunks of the largest divisor of C
+    that fits (api.split_chunks); the outputs, states at the model's chunk boundaries
+    included, match the golden computed with the model's own chunks."""
+    from mamba3_mimo import dispatch
+    assert dispatch.kernel_chunk_size(C, R) == sub
+    args, golden, bench = problem(Shape(1, S, 2, 1, 16, 16, R, C), FP32, True, True)
+    check_outputs(run_op(args, impl), golden, bench, FP32)
+
+
 # ---------------------------------------------------------------------------- dtypes of outputs
 
 
