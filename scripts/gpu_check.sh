@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The one script run on the H200 through the device tool: GPU tests and/or the benchmark.
-# Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all|sanitize] [extra bench options]
+# Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all|sanitize|validate] [bench options]
+# validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
+# $OUT/san.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
 # $OUT/bench/results.{json,md,png} (sanitize: $OUT/sanitize_{bf16,fp16,fp32}.log). Nothing is
 # installed: the package runs from the tree (PYTHONPATH), with the machine's python3, torch and
@@ -11,14 +13,26 @@ set -o pipefail
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$part" in
-  tests|bench|all|sanitize) ;;
-  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize] [bench options]" >&2; exit 2 ;;
+  tests|bench|all|sanitize|validate) ;;
+  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate] [bench options]" >&2; exit 2 ;;
 esac
 if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
   echo "OUT must name an existing folder (got '${OUT:-}')" >&2
   exit 2
 fi
 cd "$(dirname "$0")/.." || exit 2
+if [ "$part" = validate ]; then
+  # the sanitizer's time is mostly compilation on the CPU, so the two share the machine well
+  mkdir -p "$OUT/san"
+  OUT="$OUT/san" bash scripts/gpu_check.sh sanitize > "$OUT/san/stdout.txt" 2>&1 &
+  san=$!
+  bash scripts/gpu_check.sh tests
+  status=$?
+  wait "$san" || status=$?
+  rm -f "$OUT/san/env.txt"
+  tail -4 "$OUT/san/stdout.txt"
+  exit "$status"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 
