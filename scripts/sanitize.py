@@ -1,7 +1,10 @@
-"""Run the production path once per small shape, for compute-sanitizer on a GPU: the test sweep's
+"""Run the production path on small shapes, for compute-sanitizer on a GPU: the test sweep's
 shapes (every R, N, P and rotary divisor, GQA, tails) and, for bf16, the eleven official model
 shapes at B=1, S=64 (their dispatcher configs and output tiles).
-Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize.py {bf16|fp16|fp32}"""
+Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize.py {bf16|fp16|fp32} [filter]
+[repeats]: filter keeps the shapes whose repr contains it (e.g. "R=8, C=16"); each shape runs
+`repeats` times (default 1); MAMBA3_DIRECT=0 sends every launch through Triton's own path
+(kernels.launcher.DIRECT = False)."""
 import os
 import sys
 
@@ -16,18 +19,27 @@ from mamba3_mimo.inputs import Shape, make_inputs, official_shapes  # noqa: E402
 
 def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[sys.argv[1]]
+    shape_filter = sys.argv[2] if len(sys.argv) > 2 else ""
+    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    if os.environ.get("MAMBA3_DIRECT") == "0":
+        from mamba3_mimo.kernels import launcher
+        launcher.DIRECT = False
     shapes = _sweep_shapes()
     if dtype == torch.bfloat16:
         shapes += [Shape(1, 64, 2, 1, s.N, s.P, s.R, s.C) for s in official_shapes()]
+    shapes = [s for s in shapes if shape_filter in repr(s)]
+    if not shapes:
+        raise SystemExit(f"no shape matches {shape_filter!r}")
     # bf16 also with a bf16 output: the fp32 state scratch is then separate from `states`
     # (with an fp32 output they are one tensor)
     outputs = (torch.bfloat16, torch.float32) if dtype == torch.bfloat16 else (torch.float32,)
     for s in shapes:
         a = make_inputs(s, dtype, device="cuda", seed=5)
         a.pop("adt")
-        for out_dtype in outputs:
-            api.bwd_fwd(**a, output_dtype=out_dtype, impl="chunked")
-            torch.cuda.synchronize()
+        for _ in range(repeats):
+            for out_dtype in outputs:
+                api.bwd_fwd(**a, output_dtype=out_dtype, impl="chunked")
+                torch.cuda.synchronize()
         print(sys.argv[1], s, "done", flush=True)
 
 
