@@ -1,6 +1,6 @@
 """Run the production path on small shapes, for compute-sanitizer on a GPU: the test sweep's
-shapes (every R, N, P and rotary divisor, GQA, tails) and, for bf16, the eleven official model
-shapes at B=1, S=64 (their dispatcher configs and output tiles).
+shapes (every R, N, P and rotary divisor, GQA, tails), two chunks run as sub-chunks and, for
+bf16, the eleven official model shapes at B=1, S=64 (their dispatcher configs and output tiles).
 Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize.py {bf16|fp16|fp32} [filter]
 [repeats]: filter keeps the shapes whose repr contains it (e.g. "R=8, C=16"); each shape runs
 `repeats` times (default 1); MAMBA3_DIRECT=0 sends every launch through Triton's own path
@@ -24,7 +24,9 @@ def main() -> None:
     if os.environ.get("MAMBA3_DIRECT") == "0":
         from mamba3_mimo.kernels import launcher
         launcher.DIRECT = False
-    shapes = _sweep_shapes()
+    # and two chunks beyond the kernels' tiles, run as sub-chunks (test_bwd_fwd's large chunks)
+    shapes = _sweep_shapes() + [Shape(1, 150, 2, 1, 16, 16, 4, 64),
+                                Shape(1, 130, 2, 1, 16, 16, 2, 65)]
     if dtype == torch.bfloat16:
         shapes += [Shape(1, 64, 2, 1, s.N, s.P, s.R, s.C) for s in official_shapes()]
     shapes = [s for s in shapes if shape_filter in repr(s)]
