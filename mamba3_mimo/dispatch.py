@@ -148,7 +148,7 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
     return dict(H=H, G=G, N=N, P=P, R=R, C=C, RD=RD, RDP=next_pow2(RD), TP=TP, RP=RP, U=U,
                 TPO=TPO, HAS_Z=has_z, HAS_D=has_d, PREC=prec, EXACT=exact,
                 OUT_STATES=out_states_suffice(dtype, output_dtype),
-                # batch strides known BA-element aligned (kernels.batch_align) up to 4: 16-bit
+                # batch strides known BA-element aligned (kernels.input_align) up to 4: 16-bit
                 # loads 8 bytes wide, as wide as the fp32 cos/sin/bias tiles they are combined
                 # with (docs/optimisation.md, step 27; 8, as in step 13, made them disagree)
                 ALIGN=4,

@@ -315,15 +315,35 @@ def test_out_states_policy():
     assert not dispatch._meta(dataclasses.replace(pb, output_dtype=FP32))["OUT_STATES"]
 
 
+def test_input_align():
+    """input_align: the largest power of two up to its cap that divides every stride but the
+    innermost; for contiguous inputs it depends on the model only, never on the length (which
+    would recompile the kernels), also where R*G*N, H*P and chunk_size are not multiples of 4."""
+    from mamba3_mimo.kernels import input_align
+
+    def strided(*strides):
+        return torch.empty(1 << 22).as_strided((2,) * len(strides), strides)
+
+    for strides, want in [((0, 1), 4), ((6, 2, 1), 2), ((12, 4, 1), 4), ((3, 1), 1),
+                          ((24, 8, 2), 4), ((1 << 20, 1), 4)]:
+        assert input_align(4, strided(*strides)) == want, strides
+    assert input_align(8, strided(24, 1)) == 8 and input_align(1, strided(8, 1)) == 1
+    assert input_align(4, strided(8, 1), strided(6, 1)) == 2
+    for shape, want in [(Shape(1, 1, 2, 1, 16, 16, 2, 16), 4),
+                        (Shape(2, 1, 3, 1, 2, 3, 1, 5, rotary_dim_divisor=2), 1),
+                        (Shape(2, 1, 2, 1, 6, 6, 1, 6, rotary_dim_divisor=2), 2)]:
+        seen = set()
+        for S in (5, 6, 7, 8, 33):
+            a = make_inputs(dataclasses.replace(shape, S=S), BF16, True, True, device=DEVICE)
+            seen.add(input_align(4, a["q"], a["k"], a["v"], a["segsum"]))
+        assert seen == {want}, (shape, seen)
+
+
 def test_host_integer_helpers():
     """cdiv and next_pow2 (the launchers' replacements for triton.cdiv and
-    triton.next_power_of_2) agree with them; batch_align finds the largest power of two up to
-    its cap that divides every stride."""
+    triton.next_power_of_2) agree with them."""
     import triton
-    from mamba3_mimo.kernels import batch_align, cdiv, next_pow2
-    assert [batch_align(4, s) for s in (0, 1, 2, 3, 4, 6, 8, 12, 1 << 20)] == [4, 1, 2, 1, 4, 2,
-                                                                                4, 4, 4]
-    assert batch_align(4, 8, 6) == 2 and batch_align(1, 8) == 1 and batch_align(8, 24) == 8
+    from mamba3_mimo.kernels import cdiv, next_pow2
     for a in range(1, 300):
         assert next_pow2(a) == triton.next_power_of_2(a)
         for b in (1, 2, 3, 16, 64, 512):

@@ -14,13 +14,18 @@ def next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
-def batch_align(cap: int, *strides: int) -> int:
-    """The largest power of two <= cap that divides every stride (0 counts as divisible).
+def input_align(cap: int, *tensors) -> int:
+    """The largest power of two <= cap that divides every stride but the innermost of each
+    tensor (0 counts as divisible).
 
     The production launchers pass the batch (and head) strides of the inputs divided by it, and
     the kernels multiply them back by it as a constexpr: these strides change with the sequence
     length, so they are not specialised, and without this the compiler cannot know that a
-    (b, h) slice starts aligned, and loads 16-bit inputs two bytes at a time."""
+    (b, h) slice starts aligned, and loads 16-bit inputs two bytes at a time. The per-step and
+    inner strides count too, so that for contiguous inputs the result follows from the model
+    dimensions alone (a batch stride is S times a step stride): a new length never changes it,
+    and never recompiles."""
+    strides = [s for t in tensors for s in t.stride()[:-1]]
     a = cap
     while a > 1 and any(s % a for s in strides):
         a //= 2

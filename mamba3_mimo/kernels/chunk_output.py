@@ -15,7 +15,7 @@ dot from registers instead (docs/optimisation.md, step 19).
 import triton
 import triton.language as tl
 
-from . import batch_align, cdiv
+from . import cdiv, input_align
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
                      load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
 from .launcher import launch_kernel
@@ -63,7 +63,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
                         BA: tl.constexpr):
     """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps.
-    sqb, skb, svb, sgb, sgh come divided by BA (kernels.batch_align)."""
+    sqb, skb, svb, sgb, sgh come divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1).to(tl.int64)
     pid_p = tl.program_id(2)
@@ -132,7 +132,7 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     grid = (B * H, n_tiles, cdiv(m["P"], cfg["BP"]))
     seg = a["segsum"]
     qs, ks, vs, gs = a["q"].stride(), a["k"].stride(), a["v"].stride(), seg.stride()
-    BA = batch_align(m["ALIGN"], qs[0], ks[0], vs[0], gs[0], gs[1])
+    BA = input_align(m["ALIGN"], a["q"], a["k"], a["v"], seg)
     args = (
         a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
         a["mimo_o"], a["mimo_z"], a["d"], out["terms"], out["cos"], out["sin"], seg,

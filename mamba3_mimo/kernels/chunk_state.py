@@ -8,7 +8,7 @@ a serial loop of multiply-adds over [BLOCK] slices whose loads do not depend on 
 import triton
 import triton.language as tl
 
-from . import batch_align, cdiv
+from . import cdiv, input_align
 from .common import chunk_rows, dot, load_cos_sin, load_psi_v_steps, load_rotated
 from .launcher import launch_kernel
 from .step_terms import K_DECAY
@@ -23,7 +23,7 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
                            BA: tl.constexpr):
     """inc[b, h, c + 1] = sum_{t in chunk c} k_w[t]^T psi_v[t] with
     k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1. skb and svb come
-    divided by BA (kernels.batch_align)."""
+    divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     j0 = (tl.program_id(2) % n_jb) * BJ
@@ -91,7 +91,7 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     n_jb = cdiv(half, cfg["BJ"])
     grid = (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"]))
     ks, vs = a["k"].stride(), a["v"].stride()
-    BA = batch_align(m["ALIGN"], ks[0], vs[0])
+    BA = input_align(m["ALIGN"], a["k"], a["v"])
     args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"],
             out["inc"], m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb,
             ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], m["R"], N, P, m["C"], m["TP"], m["RP"],
