@@ -12,6 +12,7 @@ baseline, never chosen by "auto".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -53,13 +54,15 @@ class Plan:
     state_cfg: Optional[dict] = None
     output_cfg: Optional[dict] = None
     tile_chunks: int = 1
+    sub_chunk: Optional[int] = None  # the kernels' chunk length where the model's is too large
 
     def describe(self) -> str:
         if self.impl == "stage0":
             return "stage0 (rotary + qk_dot + serial scan per (b, h))"
         s, o = self.state_cfg, self.output_cfg
         return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
-                f"chunk_output BJ={o['BJ']} BP={o['BP']} U={self.tile_chunks})")
+                f"chunk_output BJ={o['BJ']} BP={o['BP']} U={self.tile_chunks}"
+                + (f"; sub-chunks of {self.sub_chunk}" if self.sub_chunk else "") + ")")
 
 
 def interpreter_active() -> bool:
@@ -219,7 +222,11 @@ def _fits(launch, a, out, m, cfg, limit) -> bool:
 
 
 def select(pb: Problem) -> Plan:
-    """The plan "auto" runs for this problem (configs before the shared-memory check)."""
+    """The plan "auto" runs for this problem through the public entry (configs before the
+    shared-memory check; for chunks beyond the kernels' tiles, those of its sub-chunks)."""
+    sub = kernel_chunk_size(pb.C, pb.R)
+    if sub != pb.C:
+        return dataclasses.replace(select(dataclasses.replace(pb, C=sub)), sub_chunk=sub)
     m = _meta(pb)
     return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0], m["U"])
 

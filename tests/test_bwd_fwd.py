@@ -228,7 +228,9 @@ def test_large_chunks(R, C, S, sub, impl):
     included, match the golden computed with the model's own chunks."""
     from mamba3_mimo import dispatch
     assert dispatch.kernel_chunk_size(C, R) == sub
-    args, golden, bench = problem(Shape(1, S, 2, 1, 16, 16, R, C), FP32, True, True)
+    shape = Shape(1, S, 2, 1, 16, 16, R, C)
+    assert dispatch.select(_problem(shape)).describe().endswith(f"; sub-chunks of {sub})")
+    args, golden, bench = problem(shape, FP32, True, True)
     check_outputs(run_op(args, impl), golden, bench, FP32)
 
 
