@@ -102,6 +102,11 @@ def _pad_seq(x: Tensor, dim: int, n: int) -> Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
+# sequence inputs with the step on dim 1 ([B, S, ...]) and on dim 2 ([B, H, S]; da_cs apart)
+_STEP_DIM1 = ("dout", "q", "k", "v", "angles", "z")
+_STEP_DIM2 = ("dt", "trap", "da_cs_rev")
+
+
 def pad_tail(args: dict, chunk_size: int) -> dict:
     """SPEC section 4: pad every sequence input to whole chunks so padded steps contribute nothing.
 
@@ -115,10 +120,10 @@ def pad_tail(args: dict, chunk_size: int) -> dict:
     if pad == 0:
         return args
     out = dict(args)
-    for name in ("dout", "q", "k", "v", "angles", "z"):
+    for name in _STEP_DIM1:
         if out.get(name) is not None:
             out[name] = _pad_seq(out[name], 1, pad)
-    for name in ("dt", "trap", "da_cs_rev"):
+    for name in _STEP_DIM2:
         out[name] = _pad_seq(out[name], 2, pad)
     da_cs = args["da_cs"]
     out["da_cs"] = torch.cat([da_cs, da_cs[..., -1:].expand(*da_cs.shape[:-1], pad)], -1)
@@ -153,10 +158,10 @@ def split_chunks(args: dict, chunk_size: int, sub: int, S: int) -> dict:
     out["segsum"] = (torch.diagonal(seg, dim1=3, dim2=5).permute(0, 1, 2, 5, 3, 4)
                      .reshape(B, H, nc * K, sub, sub))
     n_sub = math.ceil(S / sub)
-    for name in ("dout", "q", "k", "v", "angles", "z"):
+    for name in _STEP_DIM1:
         if out.get(name) is not None:
             out[name] = out[name][:, :n_sub * sub]
-    for name in ("dt", "trap", "da_cs", "da_cs_rev"):
+    for name in _STEP_DIM2 + ("da_cs",):
         out[name] = out[name][..., :n_sub * sub]
     out["segsum"] = out["segsum"][:, :, :n_sub]
     return out

@@ -281,15 +281,18 @@ def _prepare(args: dict, pb: Problem) -> dict:
 MAX_TILE_ROWS = 128
 
 
+def _tile_fits(C: int, R: int) -> bool:
+    return next_pow2(C) * next_pow2(R) <= MAX_TILE_ROWS
+
+
 def check_tile_rows(C: int, R: int) -> None:
     """Raise NotImplementedError, naming chunk_size and R, for chunks larger than the kernels'
     tiles (next_pow2(chunk_size) * next_pow2(R) > MAX_TILE_ROWS)."""
-    rows = next_pow2(C) * next_pow2(R)
-    if rows > MAX_TILE_ROWS:
+    if not _tile_fits(C, R):
         raise NotImplementedError(
-            f"chunk_size={C} with R={R} (q.shape[2]) needs chunk tiles of {rows} (step, rank) "
-            f"rows; the kernels support next_pow2(chunk_size) * next_pow2(R) <= "
-            f"{MAX_TILE_ROWS}")
+            f"chunk_size={C} with R={R} (q.shape[2]) needs chunk tiles of "
+            f"{next_pow2(C) * next_pow2(R)} (step, rank) rows; the kernels support "
+            f"next_pow2(chunk_size) * next_pow2(R) <= {MAX_TILE_ROWS}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -299,12 +302,11 @@ def kernel_chunk_size(C: int, R: int) -> int:
     holds for any chunk length, and the states at the model's chunk boundaries are every
     (C // result)-th of the sub-chunks' (api.split_chunks). Raises NotImplementedError, naming
     R, when not even a one-step tile fits (R > MAX_TILE_ROWS)."""
-    if next_pow2(R) > MAX_TILE_ROWS:
+    if not _tile_fits(1, R):
         raise NotImplementedError(f"R={R} (q.shape[2]): the kernels hold at most "
                                   f"{MAX_TILE_ROWS} (step, rank) rows per tile, so R <= "
                                   f"{MAX_TILE_ROWS}")
-    return max(c for c in range(1, C + 1)
-               if C % c == 0 and next_pow2(c) * next_pow2(R) <= MAX_TILE_ROWS)
+    return max(c for c in range(1, C + 1) if C % c == 0 and _tile_fits(c, R))
 
 
 def run(pb: Problem, args: dict, impl: str = "auto"):
