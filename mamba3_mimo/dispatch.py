@@ -60,7 +60,8 @@ class Plan:
         if self.impl == "stage0":
             return "stage0 (rotary + qk_dot + serial scan per (b, h))"
         s, o = self.state_cfg, self.output_cfg
-        return (f"chunked (chunk_increment BJ={s['BJ']} BP={s['BP']}; "
+        state = "state_scan" if s["SCAN"] else "chunk_increment"
+        return (f"chunked ({state} BJ={s['BJ']} BP={s['BP']}; "
                 f"chunk_output BJ={o['BJ']} BP={o['BP']} U={self.tile_chunks}"
                 + (f"; sub-chunks of {self.sub_chunk}" if self.sub_chunk else "") + ")")
 
@@ -173,18 +174,29 @@ def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 or (dtype == torch.float16 and output_dtype == torch.float16)
 
 
+# The fused state scan (chunk_state.state_scan_kernel) from this N up: on the H200 it took 3-33 %
+# off the whole call at N >= 64 and added 8-12 % at N = 16 and 32, where its grid of
+# B*H*N/32 programs, each walking every chunk, is too small for the GPU (optimisation.md, step 34)
+SCAN_MIN_N = 64
+
+
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_state configs, preferred first; model dimensions only (never B or S, so a new batch
     or length never recompiles).
 
-    The first keeps 64-column P blocks even when P < 64 (masked columns): chunk_increment's dot
-    is psi_v^T [BP, rows] x k_w [rows, BJ], and with fewer than 64 rows in M Triton leaves
-    wgmma for mma.sync, which at P = 32 cost 255 registers, 528 bytes of spill and twice the
-    time (docs/optimisation.md, step 17). The smaller fallbacks are for small shared memory."""
+    From N = SCAN_MIN_N the fused scan, with 16-pair N blocks (168 registers, no spill; 8 pairs
+    were slower on every such shape but N64_P64, where the two tied; 32 need 255 registers). Below it, and as the fallbacks for small
+    shared memory, the split increments and state passing. Both keep 64-column P blocks even
+    when P < 64 (masked columns): the increment's dot is psi_v^T [BP, rows] x k_w [rows, BJ],
+    and with fewer than 64 rows in M Triton leaves wgmma for mma.sync, which at P = 32 cost 255
+    registers, 528 bytes of spill and twice the time (docs/optimisation.md, step 17)."""
     half = pb.N // 2
-    first = dict(BJ=min(32, _pow2(half)), BP=64, num_warps=4, BLOCK=512)
-    return [first] + [dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4,
-                           BLOCK=512) for BJ, BP in ((32, 32), (16, 16))]
+    split = [dict(SCAN=False, BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4,
+                  BLOCK=512) for BJ, BP in ((32, 64), (32, 32), (16, 16))]
+    split[0]["BP"] = 64
+    if pb.N >= SCAN_MIN_N:
+        return [dict(SCAN=True, BJ=16, BP=64, num_warps=4)] + split
+    return split
 
 
 # chunk_output's register cap: 168 registers x 128 threads leave room for three programs of 4
@@ -273,22 +285,25 @@ def _prepare(args: dict, pb: Problem) -> dict:
 
 
 # Every kernel holds a chunk as one tile of next_pow2(C) * next_pow2(R) (step, rank) rows, with
-# a square [rows, rows] scores tile. 128 rows is the largest that compiles and that the GPU
-# suite covers (R = 8, C = 16); at 256 rows ptxas fails under chunk_output's register cap after
-# 30 s, at 512 after 6 minutes, and stage 0's qk_dot kernel asks for 256 KB of shared memory
-# (docs/optimisation.md, step 32). The public entry runs larger chunks as sub-chunks
-# (kernel_chunk_size, api.split_chunks).
+# a square [rows, rows] scores tile. 128 rows is the largest that compiles (at 256 ptxas fails
+# under chunk_output's register cap after 30 s, at 512 after 6 minutes, and stage 0's qk_dot
+# kernel asks for 256 KB of shared memory; docs/optimisation.md, step 32). Tiles above 64 rows
+# spill 400-700 bytes per thread in chunk_output, and on the H200 a model with 128-row chunks
+# runs 2.6-2.8x faster as sub-chunks of 64-row tiles despite their extra states (step 33). The
+# public entry therefore runs every chunk larger than TILE_ROWS as sub-chunks (kernel_chunk_size,
+# api.split_chunks); MAX_TILE_ROWS only bounds R, whose one-step tile cannot be split.
 MAX_TILE_ROWS = 128
+TILE_ROWS = 64
 
 
-def _tile_fits(C: int, R: int) -> bool:
-    return next_pow2(C) * next_pow2(R) <= MAX_TILE_ROWS
+def _tile_fits(C: int, R: int, rows: int) -> bool:
+    return next_pow2(C) * next_pow2(R) <= rows
 
 
 def check_tile_rows(C: int, R: int) -> None:
     """Raise NotImplementedError, naming chunk_size and R, for chunks larger than the kernels'
     tiles (next_pow2(chunk_size) * next_pow2(R) > MAX_TILE_ROWS)."""
-    if not _tile_fits(C, R):
+    if not _tile_fits(C, R, MAX_TILE_ROWS):
         raise NotImplementedError(
             f"chunk_size={C} with R={R} (q.shape[2]) needs chunk tiles of "
             f"{next_pow2(C) * next_pow2(R)} (step, rank) rows; the kernels support "
@@ -298,15 +313,17 @@ def check_tile_rows(C: int, R: int) -> None:
 @functools.lru_cache(maxsize=None)
 def kernel_chunk_size(C: int, R: int) -> int:
     """The chunk length the kernels run for a model with chunk_size C and rank R: C itself when
-    its tile fits MAX_TILE_ROWS, else the largest divisor of C whose tile fits. The chunked form
-    holds for any chunk length, and the states at the model's chunk boundaries are every
-    (C // result)-th of the sub-chunks' (api.split_chunks). Raises NotImplementedError, naming
-    R, when not even a one-step tile fits (R > MAX_TILE_ROWS)."""
-    if not _tile_fits(1, R):
+    its tile fits TILE_ROWS, else the largest divisor of C whose tile fits, and 1 for an R whose
+    one-step tile is larger (up to MAX_TILE_ROWS). The chunked form holds for any chunk length,
+    and the states at the model's chunk boundaries are every (C // result)-th of the
+    sub-chunks' (api.split_chunks). Raises NotImplementedError, naming R, when not even a
+    one-step tile fits (R > MAX_TILE_ROWS)."""
+    if not _tile_fits(1, R, MAX_TILE_ROWS):
         raise NotImplementedError(f"R={R} (q.shape[2]): the kernels hold at most "
                                   f"{MAX_TILE_ROWS} (step, rank) rows per tile, so R <= "
                                   f"{MAX_TILE_ROWS}")
-    return max(c for c in range(1, C + 1) if C % c == 0 and _tile_fits(c, R))
+    return max(c for c in range(1, C + 1)
+               if C % c == 0 and (c == 1 or _tile_fits(c, R, TILE_ROWS)))
 
 
 def run(pb: Problem, args: dict, impl: str = "auto"):

@@ -138,7 +138,7 @@ def test_bad_output_dtype(good, output_dtype):
 
 
 def test_tiles_beyond_the_kernels():
-    """The kernels' tiles hold at most 128 (step, rank) rows. dispatch.run refuses a larger
+    """The kernels' tiles compile up to 128 (step, rank) rows. dispatch.run refuses a larger
     chunk tile, naming chunk_size and R (the public entry splits such chunks, test_bwd_fwd's
     test_large_chunks), and an R whose one-step tile is larger is refused, naming R, for
     every impl."""

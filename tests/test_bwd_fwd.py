@@ -219,19 +219,32 @@ def test_sweep(shape, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("R, C, S, sub", [(4, 64, 150, 32), (8, 32, 70, 16), (3, 48, 96, 24),
+@pytest.mark.parametrize("R, C, S, sub", [(4, 64, 150, 16), (8, 16, 70, 8), (3, 48, 96, 16),
                                           (2, 65, 130, 13)],
-                         ids=["R4_C64_tail", "R8_C32_tail", "R3_C48", "R2_C65"])
+                         ids=["R4_C64_tail", "R8_C16_tail", "R3_C48", "R2_C65"])
 def test_large_chunks(R, C, S, sub, impl):
-    """Chunks beyond the kernels' 128-row tiles run as sub-chunks of the largest divisor of C
-    that fits (api.split_chunks); the outputs, states at the model's chunk boundaries
-    included, match the golden computed with the model's own chunks."""
+    """Chunks beyond the kernels' 64-row tiles (dispatch.TILE_ROWS) run as sub-chunks of the
+    largest divisor of C that fits (api.split_chunks); the outputs, states at the model's chunk
+    boundaries included, match the golden computed with the model's own chunks."""
     from mamba3_mimo import dispatch
     assert dispatch.kernel_chunk_size(C, R) == sub
     shape = Shape(1, S, 2, 1, 16, 16, R, C)
     assert dispatch.select(_problem(shape)).describe().endswith(f"; sub-chunks of {sub})")
     args, golden, bench = problem(shape, FP32, True, True)
     check_outputs(run_op(args, impl), golden, bench, FP32)
+
+
+def test_kernel_chunk_size():
+    """Every official shape runs its own chunks (tiles of 32-64 rows); larger tiles are split
+    down to 64 rows, and an R whose one-step tile exceeds 64 rows runs one step per tile."""
+    from mamba3_mimo import dispatch
+    from mamba3_mimo.inputs import official_shapes
+    for s in official_shapes():
+        assert dispatch.kernel_chunk_size(s.C, s.R) == s.C, s.name
+    cases = {(16, 8): 8, (32, 4): 16, (64, 1): 64, (128, 1): 64, (12, 8): 6, (7, 16): 1,
+             (16, 72): 1, (5, 128): 1}
+    for (C, R), sub in cases.items():
+        assert dispatch.kernel_chunk_size(C, R) == sub, (C, R)
 
 
 # ---------------------------------------------------------------------------- dtypes of outputs
@@ -271,6 +284,48 @@ def test_output_tiles_of_several_chunks(monkeypatch, U, C, S, output_dtype):
         args, golden, bench = problem(shape, FP32, z_gate, True)
         check_outputs(run_op(args, "chunked", output_dtype=output_dtype), golden, bench, FP32,
                       output_dtype)
+
+
+# ---------------------------------------------------------------------------- state forms
+
+
+@pytest.mark.parametrize("shape, dtype, output_dtype", [
+    (Shape(2, 37, 4, 2, 16, 24, 2, 8), FP32, FP32),
+    (Shape(1, 50, 2, 1, 32, 16, 4, 4), BF16, BF16),
+    (Shape(1, 40, 2, 1, 16, 16, 2, 16), FP16, BF16),
+    (Shape(1, 8, 2, 1, 16, 16, 2, 8), FP32, BF16)],
+    ids=["gqa_tail_fp32", "U4_bf16", "fp16_keep_fp32", "one_chunk"])
+def test_state_forms(monkeypatch, shape, dtype, output_dtype):
+    """The dispatcher's two state passes, the split increments + state passing and the fused
+    scan (with one and two N-pair blocks), each match the golden, and give bitwise the same
+    outputs: the same fp32 increments, added in the same order. Cases: GQA with a tail and fp32
+    outputs (states hold the fp32 state), output tiles of U = 4 chunks with the rounded states,
+    the fp32 copy at tile starts (fp16 inputs, bf16 outputs), and a single chunk (no loop)."""
+    from mamba3_mimo import dispatch
+    args, golden, bench = problem(shape, dtype, True, True)
+    split = dispatch._state_candidates
+    outs = {}
+    for scan, BJ in ((False, 16), (True, 8), (True, 16)):
+        monkeypatch.setattr(dispatch, "_state_candidates",
+                            lambda pb, m, scan=scan, BJ=BJ: [dict(split(pb, m)[-1], SCAN=scan,
+                                                                  BJ=BJ, BP=64, num_warps=4)])
+        dispatch._config_cache.clear()
+        outs[scan, BJ] = run_op(args, "chunked", output_dtype=output_dtype)
+        check_outputs(outs[scan, BJ], golden, bench, dtype, output_dtype)
+    dispatch._config_cache.clear()
+    for key, o in outs.items():
+        assert all(torch.equal(x, y) for x, y in zip(o, outs[False, 16]) if x is not None), key
+
+
+def test_state_form_rule():
+    """The dispatcher runs the fused scan from N = SCAN_MIN_N and the split form below, on every
+    official shape, and says which in its plan."""
+    from mamba3_mimo import dispatch
+    from mamba3_mimo.inputs import official_shapes
+    for s in official_shapes(B=1, S=64, H=2):
+        plan = dispatch.select(_problem(s))
+        assert plan.state_cfg["SCAN"] == (s.N >= dispatch.SCAN_MIN_N), s.name
+        assert ("state_scan" in plan.describe()) == plan.state_cfg["SCAN"]
 
 
 # ---------------------------------------------------------------------------- host side

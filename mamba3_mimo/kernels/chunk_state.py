@@ -1,17 +1,34 @@
 """Production state pass: states[c] = the state entering chunk c, for every chunk.
 
-Two kernels, as in mamba's ssd_chunk_state / ssd_state_passing: `chunk_increment_kernel` computes
-every chunk's increment k_w^T psi_v in parallel over (b*h, chunk, N-pair block, P block), and
-`state_passing_kernel` chains them, states[c] = states[c-1] exp(da_cs[end of c-1]) + inc[c-1],
-a serial loop of multiply-adds over [BLOCK] slices whose loads do not depend on the state.
+Two forms, picked by the dispatcher. Split, as in mamba's ssd_chunk_state / ssd_state_passing:
+`chunk_increment_kernel` computes every chunk's increment k_w^T psi_v in parallel over (b*h,
+chunk, N-pair block, P block) into fp32 scratch, and `state_passing_kernel` chains them,
+states[c] = states[c-1] exp(da_cs[end of c-1]) + inc[c-1], a serial loop of multiply-adds over
+[BLOCK] slices. Fused: `state_scan_kernel` walks the chunks of one (b*h, N-pair block, P block)
+with the running state in registers and each chunk's increment computed in the loop, so that no
+increment goes through memory; the next chunk's inputs are loaded before the present chunk's math.
 """
 import triton
 import triton.language as tl
 
 from . import cdiv, input_align
-from .common import chunk_rows, dot, load_cos_sin, load_psi_v_steps, load_rotated
+from .common import (chunk_rows, dot, load_cos_sin, load_mimo_v, load_pair_bias,
+                     load_pair_columns, load_psi_v_steps, load_rotated, load_v_steps,
+                     psi_v_rows, rotate_pairs)
 from .launcher import launch_kernel
 from .step_terms import K_DECAY
+
+
+@triton.jit
+def _block(bh, blk, n_jb, H, R, C, P, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
+           BP: tl.constexpr):
+    """Head (b, h), first pair column j0 and columns p (with mask) of the program's (b*h, N-pair
+    block, P block); the (step, rank) rows of a chunk tile and which exist."""
+    b, h = bh // H, bh % H
+    j0 = (blk % n_jb) * BJ
+    p = (blk // n_jb) * BP + tl.arange(0, BP)
+    t, r = chunk_rows(TP, RP)
+    return b, h, j0, p, p < P, t, r, (t < C) & (r < R)
 
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
@@ -26,13 +43,8 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
-    j0 = (tl.program_id(2) % n_jb) * BJ
-    p = (tl.program_id(2) // n_jb) * BP + tl.arange(0, BP)
-    b, h = bh // H, bh % H
-    t, r = chunk_rows(TP, RP)
-    rows = (t < C) & (r < R)
+    b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(2), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tg = c * C + t
-    pm = p < P
     row = bh * S_pad
     cs, sn = load_cos_sin(cos + row * RD, sin + row * RD, tg * RD, rows, j0, BJ, RD)
     k1, k2 = load_rotated(k + b * (skb * BA) + (h // HG) * skg, tg * sks + r * skr, rows,
@@ -78,24 +90,97 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
             tl.store(inc + base + c * NP_SIZE, running, mask=m & (c % U == 0))
 
 
-def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
-    """Write out["states"] through the fp32 increments out["inc"] (may be out["states"]); after
-    it, out["inc"] holds the fp32 states of the chunks that start an output tile, unless
-    meta["OUT_STATES"] says that chunk_output reads out["states"].
+@triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
+def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep,
+                      S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh, svp,
+                      R, N: tl.constexpr, P: tl.constexpr, C, U,
+                      TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
+                      BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
+                      KEEP_FP32: tl.constexpr):
+    """states[b, h, c + 1] = states[b, h, c] exp(da_cs[end of c]) + k_w^T psi_v of chunk c, the
+    increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0.
+    With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
+    also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
+    tt = tl.arange(0, TP)
+    steps = tt < C
+    row = bh * S_pad
+    kx = k + b * (skb * BA) + (h // HG) * skg
+    vx = v + b * (svb * BA) + h * svh
+    cos_x, sin_x, w_x = cos + row * RD, sin + row * RD, terms + K_DECAY * plane + row
+    b1, b2 = load_pair_bias(k_bias + h * R * N, r * N, rows, j0, BJ, HALF)
+    mv = load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP)
+    j = j0 + tl.arange(0, BJ)
+    off = bh * nc * N * P + j[None, :] * P + p[:, None]  # [BP, BJ], as chunk_increment's
+    m = (j < HALF)[None, :] & pm[:, None]
+    run1 = tl.zeros([BP, BJ], dtype=tl.float32)
+    run2 = tl.zeros([BP, BJ], dtype=tl.float32)
+    tl.store(states + off, run1.to(states.dtype.element_ty), mask=m)
+    tl.store(states + off + HALF * P, run2.to(states.dtype.element_ty), mask=m)
+    if KEEP_FP32:
+        tl.store(keep + off, run1, mask=m)
+        tl.store(keep + off + HALF * P, run2, mask=m)
+    # chunk 0's inputs; in the loop, chunk c + 1's are loaded before chunk c's math, so that the
+    # serial loop waits for memory only when the math is shorter than a load (step 9 waited
+    # once per chunk)
+    some = nc > 1
+    x1, x2 = load_pair_columns(kx, t * sks + r * skr, rows & some, j0, BJ, HALF, skn)
+    cs, sn = load_cos_sin(cos_x, sin_x, t * RD, rows & some, j0, BJ, RD)
+    w = tl.load(w_x + t, mask=rows & some, other=0.0)
+    xv = load_v_steps(vx, tt * svs, steps & some, p, pm, svp)
+    for c in range(0, nc - 1):
+        more = c + 2 < nc
+        tg = (c + 1) * C + t
+        nx1, nx2 = load_pair_columns(kx, tg * sks + r * skr, rows & more, j0, BJ, HALF, skn)
+        ncs, nsn = load_cos_sin(cos_x, sin_x, tg * RD, rows & more, j0, BJ, RD)
+        nw = tl.load(w_x + tg, mask=rows & more, other=0.0)
+        nxv = load_v_steps(vx, ((c + 1) * C + tt) * svs, steps & more, p, pm, svp)
+        k1, k2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
+        psi_t = tl.trans(psi_v_rows(xv, mv))
+        decay = tl.exp(tl.load(da_cs + row + c * C + C - 1))
+        run1 = run1 * decay + dot(psi_t, k1 * w[:, None], PREC)
+        run2 = run2 * decay + dot(psi_t, k2 * w[:, None], PREC)
+        so = off + (c + 1) * N * P
+        tl.store(states + so, run1.to(states.dtype.element_ty), mask=m)
+        tl.store(states + so + HALF * P, run2.to(states.dtype.element_ty), mask=m)
+        if KEEP_FP32:
+            tile_start = (c + 1) % U == 0
+            tl.store(keep + so, run1, mask=m & tile_start)
+            tl.store(keep + so + HALF * P, run2, mask=m & tile_start)
+        x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
 
-    cfg: BJ, BP, num_warps for the increments; BLOCK for the state passing.
+
+def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
+    """Write out["states"]; after it, out["inc"] (an fp32 tensor of the states' shape, or
+    out["states"] itself for fp32 outputs) holds the fp32 states of the chunks that start an
+    output tile, unless meta["OUT_STATES"] says that chunk_output reads out["states"].
+
+    cfg: SCAN picks the fused state_scan_kernel (BJ, BP, num_warps) over chunk_increment (BJ,
+    BP, num_warps) with state_passing (BLOCK), which use out["inc"] as their fp32 scratch.
     """
     m = meta
     B, H, N, P = m["B"], m["H"], m["N"], m["P"]
     half = N // 2
     n_jb = cdiv(half, cfg["BJ"])
-    grid = (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"]))
     ks, vs = a["k"].stride(), a["v"].stride()
     BA = input_align(m["ALIGN"], a["k"], a["v"])
-    args = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"],
-            out["inc"], m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb,
-            ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], m["R"], N, P, m["C"], m["TP"], m["RP"],
-            half, m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA)
+    keep_fp32 = out["inc"] is not out["states"] and not m["OUT_STATES"]
+    head = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"])
+    dims = (m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb, ks[0] // BA, *ks[1:],
+            vs[0] // BA, *vs[1:], m["R"], N, P, m["C"])
+    if cfg["SCAN"]:
+        grid = (B * H, n_jb * cdiv(P, cfg["BP"]))
+        args = (*head, a["da_cs"], out["states"], out["inc"], *dims, m["U"], m["TP"], m["RP"],
+                half, m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA, keep_fp32)
+        if warmup:
+            return state_scan_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"],
+                                            num_stages=1)
+        launch_kernel(state_scan_kernel, grid, args, num_warps=cfg["num_warps"], num_stages=1)
+        return None
+    grid = (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"]))
+    args = (*head, out["inc"], *dims, m["TP"], m["RP"], half, m["RD"], cfg["BJ"], cfg["BP"],
+            m["PREC"], BA)
     if warmup:
         return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
     if grid[1] > 0:
@@ -103,5 +188,6 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     pgrid = (B * H, cdiv(N * P, cfg["BLOCK"]))
     launch_kernel(state_passing_kernel, pgrid,
                   (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
-                   N * P, cfg["BLOCK"], out["inc"] is not out["states"] and not m["OUT_STATES"]),
+                   N * P, cfg["BLOCK"], keep_fp32),
                   num_warps=4)
+    return None

@@ -63,24 +63,45 @@ def load_cos_sin(cos_ptr, sin_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD):
 
 
 @triton.jit
-def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
-                 HALF, stride_n, ROTATE: tl.constexpr):
-    """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles.
-
-    rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j].
-    ROTATE=False skips the rotation for blocks that hold no rotated pair.
-    """
+def load_pair_columns(x_ptr, row_off, row_mask, j0, BJ: tl.constexpr, HALF, stride_n):
+    """Pair columns (j, HALF + j), j in j0..j0+BJ, of the rows at row_off, in the input dtype."""
     j = j0 + tl.arange(0, BJ)
     m = row_mask[:, None] & (j < HALF)[None, :]
-    c1 = j[None, :] * stride_n
-    c2 = (HALF + j)[None, :] * stride_n
-    x1 = tl.load(x_ptr + row_off[:, None] + c1, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + row_off[:, None] + c2, mask=m, other=0.0).to(tl.float32)
-    x1 += tl.load(bias_ptr + bias_off[:, None] + j[None, :], mask=m, other=0.0)
-    x2 += tl.load(bias_ptr + bias_off[:, None] + (HALF + j)[None, :], mask=m, other=0.0)
+    x1 = tl.load(x_ptr + row_off[:, None] + j[None, :] * stride_n, mask=m, other=0.0)
+    x2 = tl.load(x_ptr + row_off[:, None] + (HALF + j)[None, :] * stride_n, mask=m, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def load_pair_bias(bias_ptr, bias_off, row_mask, j0, BJ: tl.constexpr, HALF):
+    """The bias of pair columns (j, HALF + j) for each row (bias_off: the rows' rank * N)."""
+    j = j0 + tl.arange(0, BJ)
+    m = row_mask[:, None] & (j < HALF)[None, :]
+    b1 = tl.load(bias_ptr + bias_off[:, None] + j[None, :], mask=m, other=0.0)
+    b2 = tl.load(bias_ptr + bias_off[:, None] + (HALF + j)[None, :], mask=m, other=0.0)
+    return b1, b2
+
+
+@triton.jit
+def rotate_pairs(x1, x2, b1, b2, cos, sin, ROTATE: tl.constexpr):
+    """rot(x + bias) on pair columns as two fp32 tiles:
+    rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j].
+    ROTATE=False skips the rotation for blocks that hold no rotated pair."""
+    x1 = x1.to(tl.float32) + b1
+    x2 = x2.to(tl.float32) + b2
     if ROTATE:
         return cos * x1 - sin * x2, sin * x1 + cos * x2
     return x1, x2
+
+
+@triton.jit
+def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
+                 HALF, stride_n, ROTATE: tl.constexpr):
+    """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles
+    (rotate_pairs of load_pair_columns and load_pair_bias)."""
+    x1, x2 = load_pair_columns(x_ptr, row_off, row_mask, j0, BJ, HALF, stride_n)
+    b1, b2 = load_pair_bias(bias_ptr, bias_off, row_mask, j0, BJ, HALF)
+    return rotate_pairs(x1, x2, b1, b2, cos, sin, ROTATE)
 
 
 @triton.jit
@@ -179,6 +200,28 @@ def load_psi_v(v_ptr, t_off, row_mask, mimo_v_ptr, r, R, p, p_mask, P, stride_vp
 
 
 @triton.jit
+def load_v_steps(v_ptr, t_off, t_mask, p, p_mask, stride_vp):
+    """v of the steps at t_off ([TP, BP], input dtype; t_mask says which steps exist)."""
+    m = t_mask[:, None] & p_mask[None, :]
+    return tl.load(v_ptr + t_off[:, None] + p[None, :] * stride_vp, mask=m, other=0.0)
+
+
+@triton.jit
+def load_mimo_v(mimo_v_ptr, R, p, p_mask, P, RP: tl.constexpr):
+    """The head's mimo_v rows ([RP, BP], zero beyond R) from its contiguous [R, P] block."""
+    r = tl.arange(0, RP)
+    return tl.load(mimo_v_ptr + r[:, None] * P + p[None, :],
+                   mask=(r < R)[:, None] & p_mask[None, :], other=0.0)
+
+
+@triton.jit
+def psi_v_rows(x, mv):
+    """psi_v [TP * RP, BP] with row = t * RP + r from v [TP, BP] and mimo_v [RP, BP]."""
+    psi = x.to(tl.float32)[:, None, :] * mv[None, :, :]
+    return tl.reshape(psi, (x.shape[0] * mv.shape[0], x.shape[1]))
+
+
+@triton.jit
 def load_psi_v_steps(v_ptr, t_off, t_mask, mimo_v_ptr, R, p, p_mask, P, stride_vp,
                      RP: tl.constexpr):
     """psi_v as load_psi_v, [TP * RP, BP] with row = t * RP + r, from one load of v per step
@@ -186,13 +229,8 @@ def load_psi_v_steps(v_ptr, t_off, t_mask, mimo_v_ptr, R, p, p_mask, P, stride_v
     rank ([RP, BP]) instead of one of each per row: a quarter of the loads at R = 4, and no
     [rows, BP] tile of either to convert into the dots' layouts (the production kernels;
     stage 0 keeps load_psi_v, docs/optimisation.md step 22)."""
-    m = t_mask[:, None] & p_mask[None, :]
-    x = tl.load(v_ptr + t_off[:, None] + p[None, :] * stride_vp, mask=m, other=0.0)
-    r = tl.arange(0, RP)
-    mv = tl.load(mimo_v_ptr + r[:, None] * P + p[None, :], mask=(r < R)[:, None] & p_mask[None, :],
-                 other=0.0)
-    psi = x.to(tl.float32)[:, None, :] * mv[None, :, :]
-    return tl.reshape(psi, (x.shape[0] * RP, x.shape[1]))
+    return psi_v_rows(load_v_steps(v_ptr, t_off, t_mask, p, p_mask, stride_vp),
+                      load_mimo_v(mimo_v_ptr, R, p, p_mask, P, RP))
 
 
 @triton.jit
