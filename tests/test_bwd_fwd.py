@@ -297,24 +297,24 @@ def test_output_tiles_of_several_chunks(monkeypatch, U, C, S, output_dtype):
     ids=["gqa_tail_fp32", "U4_bf16", "fp16_keep_fp32", "one_chunk"])
 def test_state_forms(monkeypatch, shape, dtype, output_dtype):
     """The dispatcher's two state passes, the split increments + state passing and the fused
-    scan (with one and two N-pair blocks), each match the golden, and give bitwise the same
-    outputs: the same fp32 increments, added in the same order. Cases: GQA with a tail and fp32
+    scan (with one and two N-pair blocks), each match the golden and repeat bit for bit. (They
+    need not agree bitwise with each other: on sm_90 the scan's 8-pair dot runs on mma.sync and
+    the others on wgmma, which sum in different orders.) Cases: GQA with a tail and fp32
     outputs (states hold the fp32 state), output tiles of U = 4 chunks with the rounded states,
     the fp32 copy at tile starts (fp16 inputs, bf16 outputs), and a single chunk (no loop)."""
     from mamba3_mimo import dispatch
     args, golden, bench = problem(shape, dtype, True, True)
     split = dispatch._state_candidates
-    outs = {}
     for scan, BJ in ((False, 16), (True, 8), (True, 16)):
         monkeypatch.setattr(dispatch, "_state_candidates",
                             lambda pb, m, scan=scan, BJ=BJ: [dict(split(pb, m)[-1], SCAN=scan,
                                                                   BJ=BJ, BP=64, num_warps=4)])
         dispatch._config_cache.clear()
-        outs[scan, BJ] = run_op(args, "chunked", output_dtype=output_dtype)
-        check_outputs(outs[scan, BJ], golden, bench, dtype, output_dtype)
+        outs = run_op(args, "chunked", output_dtype=output_dtype)
+        check_outputs(outs, golden, bench, dtype, output_dtype)
+        again = run_op(args, "chunked", output_dtype=output_dtype)
+        assert all(torch.equal(x, y) for x, y in zip(outs, again) if x is not None), (scan, BJ)
     dispatch._config_cache.clear()
-    for key, o in outs.items():
-        assert all(torch.equal(x, y) for x, y in zip(o, outs[False, 16]) if x is not None), key
 
 
 def test_state_form_rule():

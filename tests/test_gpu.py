@@ -127,10 +127,12 @@ def test_states_beyond_2_31_elements():
                                    for s in official_shapes()], ids=lambda s: s.name)
 def test_launched_kernel_resources(shape, launches):
     """The resources that the measured speed depends on, on every official model shape.
-    chunk_increment's dot has BP rows in M; below 64 Triton falls back from wgmma to mma.sync,
-    which at P = 32 took 255 registers, 528 bytes of spill and twice the time
-    (docs/optimisation.md, step 17): the launched kernel uses wgmma (sm_90) and spills nothing.
-    chunk_output stays within dispatch.OUTPUT_MAXNREG registers, three programs per SM (step 22)."""
+    The state pass the dispatcher names (the fused scan from N = SCAN_MIN_N, else
+    chunk_increment) is launched. Its dot has BP rows in M; below 64 Triton falls back from
+    wgmma to mma.sync, which in chunk_increment at P = 32 took 255 registers, 528 bytes of spill
+    and twice the time (docs/optimisation.md, step 17): the launched kernel uses wgmma (sm_90)
+    and spills nothing. chunk_output stays within dispatch.OUTPUT_MAXNREG registers, three
+    programs per SM (step 22)."""
     args = op_args(make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape)))
     run_op(args)
     torch.cuda.synchronize()
@@ -138,12 +140,13 @@ def test_launched_kernel_resources(shape, launches):
     assert outs, "chunk_output_kernel was not launched"
     for k in outs:
         assert k.n_regs <= dispatch.OUTPUT_MAXNREG, f"chunk_output uses {k.n_regs} registers"
-    inc = [k for fn, k in launches if fn.__name__ == "chunk_increment_kernel"]
-    assert inc, "chunk_increment_kernel was not launched"
+    name = "state_scan_kernel" if shape.N >= dispatch.SCAN_MIN_N else "chunk_increment_kernel"
+    inc = [k for fn, k in launches if fn.__name__ == name]
+    assert inc, f"{name} was not launched"
     for k in inc:
-        assert k.n_spills == 0, f"chunk_increment spills {k.n_spills} bytes ({k.n_regs} registers)"
+        assert k.n_spills == 0, f"{name} spills {k.n_spills} bytes ({k.n_regs} registers)"
         if torch.cuda.get_device_capability()[0] == 9:
-            assert "warp_group_dot" in k.asm["ttgir"], "chunk_increment's dot is not on wgmma"
+            assert "warp_group_dot" in k.asm["ttgir"], f"{name}'s dot is not on wgmma"
 
 
 def test_direct_launch_runs_tritons_kernel(monkeypatch):
