@@ -288,8 +288,8 @@ def _prepare(args: dict, pb: Problem) -> dict:
 # a square [rows, rows] scores tile. 128 rows is the largest that compiles (at 256 ptxas fails
 # under chunk_output's register cap after 30 s, at 512 after 6 minutes, and stage 0's qk_dot
 # kernel asks for 256 KB of shared memory; docs/optimisation.md, step 32). Tiles above 64 rows
-# spill 400-700 bytes per thread in chunk_output, and on the H200 a model with 128-row chunks
-# runs 2.6-2.8x faster as sub-chunks of 64-row tiles despite their extra states (step 33). The
+# spill 400-730 bytes per thread in chunk_output, and on the H200 models with 128-row chunks
+# ran 1.7-3.1x faster as sub-chunks of 64-row tiles despite their extra states (step 33). The
 # public entry therefore runs every chunk larger than TILE_ROWS as sub-chunks (kernel_chunk_size,
 # api.split_chunks); MAX_TILE_ROWS only bounds R, whose one-step tile cannot be split.
 MAX_TILE_ROWS = 128
