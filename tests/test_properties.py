@@ -9,18 +9,35 @@ from mamba3_mimo.inputs import Shape, make_inputs
 from mamba3_mimo.reference import bwd_fwd_reference
 
 # B = 2 and H = G = 2 so that transposing the first two dims really changes the layout;
-# S = 40 with C = 16 so that the public entry pads a partial last chunk.
+# S = 40 with C = 16 so that the public entry pads a partial last chunk. N = 16 runs the split
+# state pass and N = 64 the fused scan (dispatch.SCAN_MIN_N; test_both_state_forms).
+# The scan shape runs through the public entry only: the other impls do not depend on N.
 SHAPE = Shape(B=2, S=40, H=2, G=2, N=16, P=16, R=2, C=16)
+SCAN_SHAPE = Shape(B=2, S=40, H=2, G=2, N=64, P=16, R=2, C=16)
+CASES = pytest.mark.parametrize("shape, impl", [(SHAPE, i) for i in IMPLS] +
+                                [(SCAN_SHAPE, "dispatch")],
+                                ids=[f"split-{i}" for i in IMPLS] + ["scan-dispatch"])
 GATES = [(True, True), (False, False)]
+
+
+def test_both_state_forms():
+    """The shapes of this file run both forms of the production state pass."""
+    from mamba3_mimo import dispatch
+    from mamba3_mimo.bench import problem_of
+    forms = []
+    for shape in (SHAPE, SCAN_SHAPE):
+        args = op_args(make_inputs(shape, torch.float32, True, True, device=DEVICE, seed=0))
+        forms.append(dispatch.select(problem_of(args)).state_cfg["SCAN"])
+    assert forms == [False, True]
 
 
 def _gate_id(g):
     return f"z{int(g[0])}_d{int(g[1])}"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_deterministic(impl):
-    args, _, _ = problem(SHAPE, torch.bfloat16, True, True)
+@CASES
+def test_deterministic(impl, shape):
+    args, _, _ = problem(shape, torch.bfloat16, True, True)
     first = run_op(args, impl)
     for _ in range(2):
         assert_outputs_equal(run_op(args, impl), first, "second run: ")
@@ -83,14 +100,14 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@CASES
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_non_contiguous_inputs(layout, impl):
+def test_non_contiguous_inputs(layout, impl, shape):
     """Views with other strides, offsets or broadcast give bitwise the result of contiguous copies
     of the same values, and that result matches the golden."""
     dtype = torch.float16
-    base = op_args(make_inputs(SHAPE, dtype, True, True, device=DEVICE,
-                               seed=seed_for(SHAPE, layout)))
+    base = op_args(make_inputs(shape, dtype, True, True, device=DEVICE,
+                               seed=seed_for(shape, layout)))
     views = {k: LAYOUTS[layout](k, v) if isinstance(v, torch.Tensor) else v
              for k, v in base.items()}
     changed = [k for k, v in views.items() if isinstance(v, torch.Tensor)
@@ -108,11 +125,11 @@ def test_non_contiguous_inputs(layout, impl):
 # ---------------------------------------------------------------------------- inputs untouched
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@CASES
 @pytest.mark.parametrize("gates", GATES, ids=_gate_id)
-def test_inputs_unmodified(gates, impl):
-    args = op_args(make_inputs(SHAPE, torch.bfloat16, *gates, device=DEVICE,
-                               seed=seed_for(SHAPE, "unmodified", gates)))
+def test_inputs_unmodified(gates, impl, shape):
+    args = op_args(make_inputs(shape, torch.bfloat16, *gates, device=DEVICE,
+                               seed=seed_for(shape, "unmodified", gates)))
     tensors = {k: v for k, v in args.items() if isinstance(v, torch.Tensor)}
     before = {k: (v.clone(), v.shape, v.stride(), v.data_ptr()) for k, v in tensors.items()}
     run_op(args, impl)
@@ -143,15 +160,15 @@ def poisoned_empty(monkeypatch):
     assert torch.empty(4).isnan().all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@CASES
 @pytest.mark.parametrize("gates", GATES, ids=_gate_id)
-def test_every_output_written(poisoned_empty, gates, impl):
+def test_every_output_written(poisoned_empty, gates, impl, shape):
     """Under poisoned allocation, two problems in a row: every element finite and close to its
     golden (stale values from the first run would fail the second)."""
     for seed in ("first", "second"):
         dtype = torch.float32
-        inputs = make_inputs(SHAPE, dtype, *gates, device=DEVICE,
-                             seed=seed_for(SHAPE, "poison", gates, seed))
+        inputs = make_inputs(shape, dtype, *gates, device=DEVICE,
+                             seed=seed_for(shape, "poison", gates, seed))
         args = op_args(inputs)
         golden = bwd_fwd_reference(**args, dtype=torch.float64)
         bench = bwd_fwd_reference(**args, dtype=torch.float32)
