@@ -17,13 +17,17 @@ the first candidate of that kernel's list (e.g. {"BP": 64}; the fallbacks stay),
 through Triton's JITFunction.run instead of kernels.launcher's direct launches (launcher.DIRECT),
 e.g. [{"name": "triton", "direct": false}, {"name": "direct"}]; "check": false skips the error
 sweep for a variant whose arithmetic is the baseline's (a launch path, a prefetch), which saves
-most of its first round. The first variant is the baseline.
+most of its first round; "patch": "path/to.patch" runs the variant on a copy of the package with
+that patch applied (`git apply`, paths as in `git diff` from the repository root), so that
+kernel changes are timed interleaved with the baseline. The first variant is the baseline.
 Writes $OUT/ab.json and prints the comparison table.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -123,19 +127,34 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     return res
 
 
+def patched_tree(patch: str, into: str) -> str:
+    """A copy of the mamba3_mimo package with `patch` applied, under `into`; its root."""
+    shutil.copytree(os.path.join(ROOT, "mamba3_mimo"), os.path.join(into, "mamba3_mimo"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "apply", "--include=mamba3_mimo/*", os.path.abspath(patch)],
+                   cwd=into, check=True)
+    return into
+
+
 def main() -> int:
     if sys.argv[1] == "--one":
         res = measure(json.loads(sys.argv[2]), sys.argv[3], sys.argv[4] == "check")
+        import mamba3_mimo
+        res["package"] = os.path.dirname(mamba3_mimo.__file__)
         print("AB_RESULT " + json.dumps(res), flush=True)
         return 0
     variants = json.loads(sys.argv[1])
     shape_filter = sys.argv[2] if len(sys.argv) > 2 else ""
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    trees = tempfile.mkdtemp(prefix="ab_trees_")
+    # the package each variant imports: the repository's, or a patched copy
+    roots = {v["name"]: patched_tree(v["patch"], os.path.join(trees, v["name"]))
+             if "patch" in v else ROOT for v in variants}
     runs = []
     for r in range(rounds):
         for v in variants:
             t0 = time.time()
+            env = dict(os.environ, PYTHONPATH=roots[v["name"]])
             # the errors are deterministic: checked in the first round only
             p = subprocess.run([sys.executable, __file__, "--one", json.dumps(v), shape_filter,
                                 "check" if r == 0 and v.get("check", True) else "time"],
