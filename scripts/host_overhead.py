@@ -12,8 +12,10 @@ Without CUDA, the kernels are replaced by no-ops and host_us is the Python side 
 dispatcher, argument checks and allocations on small CPU tensors), for comparing host code
 changes on a CPU-only machine; Triton's own launch cost is not in it.
 
-Usage: [OUT=dir] PYTHONPATH=. python3 scripts/host_overhead.py [shape filter] [n]
-Writes $OUT/host_overhead.json when OUT is set.
+Usage: [OUT=dir] PYTHONPATH=. python3 scripts/host_overhead.py [shape filter] [n] [z|noz]
+  [auto|split]
+(noz: without the Z gate; split: the split state pass where the dispatcher would run the fused
+scan.) Writes $OUT/host_overhead.json when OUT is set.
 """
 import json
 import os
@@ -27,17 +29,17 @@ from mamba3_mimo import api, dispatch
 from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
 
 
-def _call(shape: Shape, device: str):
-    a = make_inputs(shape, torch.bfloat16, z_gate=True, d_skip=True, device=device, seed=0)
+def _call(shape: Shape, device: str, z_gate: bool = True):
+    a = make_inputs(shape, torch.bfloat16, z_gate=z_gate, d_skip=True, device=device, seed=0)
     a.pop("adt")
     return lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16)
 
 
-def on_gpu(shapes, n: int) -> list:
+def on_gpu(shapes, n: int, z_gate: bool) -> list:
     from triton.testing import do_bench
     rows = []
     for s in shapes:
-        f = _call(s, "cuda")
+        f = _call(s, "cuda", z_gate)
         f()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -60,7 +62,7 @@ def on_gpu(shapes, n: int) -> list:
     return rows
 
 
-def on_cpu(shapes, n: int) -> list:
+def on_cpu(shapes, n: int, z_gate: bool) -> list:
     from triton.runtime.jit import JITFunction
     from mamba3_mimo.kernels import launcher
     JITFunction.run = lambda self, *a, **k: None  # Python side only
@@ -69,7 +71,7 @@ def on_cpu(shapes, n: int) -> list:
     rows = []
     for s in shapes:
         small = Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)  # the host path ignores B and S
-        f = _call(small, "cpu")
+        f = _call(small, "cpu", z_gate)
         f()
         host_us = min(timeit.repeat(f, number=n, repeat=15)) / n * 1e6
         rows.append(dict(shape=s.name, host_us=host_us, gpu_us=None, bench_ms=None))
@@ -80,8 +82,12 @@ def on_cpu(shapes, n: int) -> list:
 def main() -> None:
     filt = sys.argv[1] if len(sys.argv) > 1 else ""
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    z_gate = (sys.argv[3] if len(sys.argv) > 3 else "z") == "z"
+    if len(sys.argv) > 4 and sys.argv[4] == "split":
+        scan_first = dispatch._state_candidates
+        dispatch._state_candidates = lambda pb, m: [c for c in scan_first(pb, m) if not c["SCAN"]]
     shapes = [s for s in official_shapes() if filt in s.name]
-    rows = on_gpu(shapes, n) if torch.cuda.is_available() else on_cpu(shapes, n)
+    rows = (on_gpu if torch.cuda.is_available() else on_cpu)(shapes, n, z_gate)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "host_overhead.json"), "w") as fh:
             json.dump(rows, fh, indent=1)
