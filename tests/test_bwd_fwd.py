@@ -328,6 +328,32 @@ def test_state_form_rule():
         assert ("state_scan" in plan.describe()) == plan.state_cfg["SCAN"]
 
 
+@pytest.mark.parametrize("N, dtype, scratch", [(64, BF16, False), (64, FP16, True),
+                                              (16, BF16, True)],
+                         ids=["scan_rounded_states", "scan_fp32_copy", "split"])
+def test_state_scratch_only_when_used(monkeypatch, N, dtype, scratch):
+    """The fp32 tensor of the states' shape is allocated only when a kernel uses it: the split
+    form's increments, or the fp32 state copy that chunk_output reads where it may not read
+    the rounded states (fp16 inputs with bf16 outputs); not for the scan with bf16 inputs and
+    outputs. The outputs stay within the thresholds either way."""
+    shape = Shape(1, 40, 2, 1, N, 16, 2, 16)
+    args, golden, bench = problem(shape, dtype, True, True)
+    n_states = 1 * 2 * 3 * N * 16  # B * H * nchunks * N * P
+    seen = []
+    empty = torch.empty
+
+    def recording(*size, **kw):
+        t = empty(*size, **kw)
+        seen.append((t.numel(), t.dtype))
+        return t
+
+    monkeypatch.setattr(torch, "empty", recording)
+    outs = run_op(args, "chunked", output_dtype=BF16)
+    monkeypatch.undo()
+    assert ((n_states, torch.float32) in seen) == scratch
+    check_outputs(outs, golden, bench, dtype, BF16)
+
+
 # ---------------------------------------------------------------------------- host side
 
 

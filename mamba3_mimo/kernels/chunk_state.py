@@ -154,7 +154,8 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write out["states"]; after it, out["inc"] (an fp32 tensor of the states' shape, or
     out["states"] itself for fp32 outputs) holds the fp32 states of the chunks that start an
-    output tile, unless meta["OUT_STATES"] says that chunk_output reads out["states"].
+    output tile, unless meta["OUT_STATES"] says that chunk_output reads out["states"] (with the
+    scan, out["inc"] may then be a one-element stand-in, never written).
 
     cfg: SCAN picks the fused state_scan_kernel (BJ, BP, num_warps) over chunk_increment (BJ,
     BP, num_warps) with state_passing (BLOCK), which use out["inc"] as their fp32 scratch.
