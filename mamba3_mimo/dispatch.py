@@ -184,16 +184,17 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_state configs, preferred first; model dimensions only (never B or S, so a new batch
     or length never recompiles).
 
-    From N = SCAN_MIN_N the fused scan, with 16-pair N blocks (168 registers, no spill; 8 pairs
-    were slower on every such shape but N64_P64, where the two tied; 32 need 255 registers). Below it, and as the fallbacks for small
-    shared memory, the split increments and state passing. Both keep 64-column P blocks even
-    when P < 64 (masked columns): the increment's dot is psi_v^T [BP, rows] x k_w [rows, BJ],
-    and with fewer than 64 rows in M Triton leaves wgmma for mma.sync, which at P = 32 cost 255
-    registers, 528 bytes of spill and twice the time (docs/optimisation.md, step 17)."""
-    half = pb.N // 2
-    split = [dict(SCAN=False, BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4,
-                  BLOCK=512) for BJ, BP in ((32, 64), (32, 32), (16, 16))]
-    split[0]["BP"] = 64
+    From N = SCAN_MIN_N the fused scan, with 16-pair N blocks (168 registers, no spill; 8
+    pairs were slower on every such shape but N64_P64, where the two tied; 32 need 255
+    registers). Below it, and as the fallbacks for small shared memory, the split increments
+    and state passing. The first configs keep 64-column P blocks even when P < 64 (masked
+    columns): the increment's dot is psi_v^T [BP, rows] x k_w [rows, BJ], and with fewer than 64
+    rows in M Triton leaves wgmma for mma.sync, which at P = 32 cost 255 registers, 528 bytes of
+    spill and twice the time (docs/optimisation.md, step 17)."""
+    BJ = min(32, _pow2(pb.N // 2))
+    split = [dict(SCAN=False, BJ=BJ, BP=64, num_warps=4, BLOCK=512),
+             dict(SCAN=False, BJ=BJ, BP=min(32, _pow2(pb.P)), num_warps=4, BLOCK=512),
+             dict(SCAN=False, BJ=min(16, BJ), BP=min(16, _pow2(pb.P)), num_warps=4, BLOCK=512)]
     if pb.N >= SCAN_MIN_N:
         return [dict(SCAN=True, BJ=16, BP=64, num_warps=4)] + split
     return split

@@ -12,9 +12,8 @@ import triton
 import triton.language as tl
 
 from . import cdiv, input_align
-from .common import (chunk_rows, dot, load_cos_sin, load_mimo_v, load_pair_bias,
-                     load_pair_columns, load_psi_v_steps, load_rotated, load_v_steps,
-                     psi_v_rows, rotate_pairs)
+from .common import (chunk_rows, dot, load_cos_sin, load_mimo_v, load_pair_columns,
+                     load_v_steps, psi_v_rows, rotate_pairs)
 from .launcher import launch_kernel
 from .step_terms import K_DECAY
 
@@ -31,6 +30,34 @@ def _block(bh, blk, n_jb, H, R, C, P, TP: tl.constexpr, RP: tl.constexpr, BJ: tl
     return b, h, j0, p, p < P, t, r, (t < C) & (r < R)
 
 
+@triton.jit
+def _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c, C, t, r, rows, tt, live, p, pm, sks, skr, skn,
+                  svs, svp, j0, HALF, RD, BJ: tl.constexpr):
+    """What chunk c's increment reads, as loaded (nothing where `live` is false): k's pair
+    columns, cos/sin and the k decay weights (K_DECAY row at w_x) of the rows, and v of the
+    steps; kx, vx, cos_x, sin_x, w_x point at the (b, h) slices."""
+    tg = c * C + t
+    x1, x2 = load_pair_columns(kx, tg * sks + r * skr, rows & live, j0, BJ, HALF, skn)
+    cs, sn = load_cos_sin(cos_x, sin_x, tg * RD, rows & live, j0, BJ, RD)
+    w = tl.load(w_x + tg, mask=rows & live, other=0.0)
+    xv = load_v_steps(vx, (c * C + tt) * svs, (tt < C) & live, p, pm, svp)
+    return x1, x2, cs, sn, w, xv
+
+
+@triton.jit
+def _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv):
+    """The operands of a chunk's increment k_w^T psi_v = psi_v^T (k_w1, k_w2) from
+    _chunk_inputs: the two halves of rot(k + k_bias) ([rows, BJ] each; k_w is them times the
+    decay weights w) and psi_v^T ([BP, rows], psi_v = v * mimo_v, mv [RP, BP]). The callers
+    weight each half and issue its dot next to its use (a store, or the running state's
+    update), so that the second half is built only after the first dot."""
+    k1, k2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
+    # psi_v^T (k_w) rather than k_w^T psi_v: k_w, built by elementwise ops, is then the B
+    # operand, which always goes through shared memory; as the transposed A operand Triton
+    # moved its whole computation into the dot-operand layout (255 registers and spills).
+    return k1, k2, tl.trans(psi_v_rows(xv, mv))
+
+
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
 def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
                            S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh,
@@ -44,24 +71,19 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(2), n_jb, H, R, C, P, TP, RP, BJ, BP)
-    tg = c * C + t
     row = bh * S_pad
-    cs, sn = load_cos_sin(cos + row * RD, sin + row * RD, tg * RD, rows, j0, BJ, RD)
-    k1, k2 = load_rotated(k + b * (skb * BA) + (h // HG) * skg, tg * sks + r * skr, rows,
-                          k_bias + h * R * N, r * N, cs, sn, j0, BJ, HALF, skn, True)
-    w = tl.load(terms + K_DECAY * plane + row + tg, mask=rows, other=0.0)[:, None]
-    tt = tl.arange(0, TP)
-    psi_v = load_psi_v_steps(v + b * (svb * BA) + h * svh, (c * C + tt) * svs, tt < C,
-                             mimo_v + h * R * P, R, p, pm, P, svp, RP)
-    # psi_v^T (k_w) rather than k_w^T psi_v: k_w, built by elementwise ops, is then the B
-    # operand, which always goes through shared memory; as the transposed A operand Triton
-    # moved its whole computation into the dot-operand layout (255 registers and spills).
-    psi_t = tl.trans(psi_v)
+    b1, b2 = load_pair_columns(k_bias + h * R * N, r * N, rows, j0, BJ, HALF, 1)
+    x1, x2, cs, sn, w, xv = _chunk_inputs(
+        k + b * (skb * BA) + (h // HG) * skg, v + b * (svb * BA) + h * svh, cos + row * RD,
+        sin + row * RD, terms + K_DECAY * plane + row, c, C, t, r, rows, tl.arange(0, TP), True,
+        p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
+    k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv,
+                                        load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP))
     j = j0 + tl.arange(0, BJ)
     off = (bh * nc + c + 1) * N * P + j[None, :] * P + p[:, None]
     m = (j < HALF)[None, :] & pm[:, None]
-    tl.store(inc + off, dot(psi_t, k1 * w, PREC), mask=m)
-    tl.store(inc + off + HALF * P, dot(psi_t, k2 * w, PREC), mask=m)
+    tl.store(inc + off, dot(psi_t, k1 * w[:, None], PREC), mask=m)
+    tl.store(inc + off + HALF * P, dot(psi_t, k2 * w[:, None], PREC), mask=m)
 
 
 @triton.jit(do_not_specialize=["S_pad", "nc"])
@@ -104,12 +126,11 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     bh = tl.program_id(0).to(tl.int64)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)
-    steps = tt < C
     row = bh * S_pad
     kx = k + b * (skb * BA) + (h // HG) * skg
     vx = v + b * (svb * BA) + h * svh
     cos_x, sin_x, w_x = cos + row * RD, sin + row * RD, terms + K_DECAY * plane + row
-    b1, b2 = load_pair_bias(k_bias + h * R * N, r * N, rows, j0, BJ, HALF)
+    b1, b2 = load_pair_columns(k_bias + h * R * N, r * N, rows, j0, BJ, HALF, 1)
     mv = load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP)
     j = j0 + tl.arange(0, BJ)
     off = bh * nc * N * P + j[None, :] * P + p[:, None]  # [BP, BJ], as chunk_increment's
@@ -124,20 +145,14 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     # chunk 0's inputs; in the loop, chunk c + 1's are loaded before chunk c's math, so that the
     # serial loop waits for memory only when the math is shorter than a load (step 9 waited
     # once per chunk)
-    some = nc > 1
-    x1, x2 = load_pair_columns(kx, t * sks + r * skr, rows & some, j0, BJ, HALF, skn)
-    cs, sn = load_cos_sin(cos_x, sin_x, t * RD, rows & some, j0, BJ, RD)
-    w = tl.load(w_x + t, mask=rows & some, other=0.0)
-    xv = load_v_steps(vx, tt * svs, steps & some, p, pm, svp)
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 0, C, t, r, rows, tt,
+                                          nc > 1, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
+                                          BJ)
     for c in range(0, nc - 1):
-        more = c + 2 < nc
-        tg = (c + 1) * C + t
-        nx1, nx2 = load_pair_columns(kx, tg * sks + r * skr, rows & more, j0, BJ, HALF, skn)
-        ncs, nsn = load_cos_sin(cos_x, sin_x, tg * RD, rows & more, j0, BJ, RD)
-        nw = tl.load(w_x + tg, mask=rows & more, other=0.0)
-        nxv = load_v_steps(vx, ((c + 1) * C + tt) * svs, steps & more, p, pm, svp)
-        k1, k2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
-        psi_t = tl.trans(psi_v_rows(xv, mv))
+        nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c + 1, C, t, r,
+                                                    rows, tt, c + 2 < nc, p, pm, sks, skr, skn,
+                                                    svs, svp, j0, HALF, RD, BJ)
+        k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
         decay = tl.exp(tl.load(da_cs + row + c * C + C - 1))
         run1 = run1 * decay + dot(psi_t, k1 * w[:, None], PREC)
         run2 = run2 * decay + dot(psi_t, k2 * w[:, None], PREC)
@@ -149,7 +164,6 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
             tl.store(keep + so, run1, mask=m & tile_start)
             tl.store(keep + so + HALF * P, run2, mask=m & tile_start)
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
-
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write out["states"]; after it, out["inc"] (an fp32 tensor of the states' shape, or

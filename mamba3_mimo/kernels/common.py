@@ -64,22 +64,13 @@ def load_cos_sin(cos_ptr, sin_ptr, t_off, row_mask, j0, BJ: tl.constexpr, RD):
 
 @triton.jit
 def load_pair_columns(x_ptr, row_off, row_mask, j0, BJ: tl.constexpr, HALF, stride_n):
-    """Pair columns (j, HALF + j), j in j0..j0+BJ, of the rows at row_off, in the input dtype."""
+    """Pair columns (j, HALF + j), j in j0..j0+BJ, of the rows at row_off, in the tensor's dtype
+    (with stride_n = 1 and row_off = rank * N, the rows' bias)."""
     j = j0 + tl.arange(0, BJ)
     m = row_mask[:, None] & (j < HALF)[None, :]
     x1 = tl.load(x_ptr + row_off[:, None] + j[None, :] * stride_n, mask=m, other=0.0)
     x2 = tl.load(x_ptr + row_off[:, None] + (HALF + j)[None, :] * stride_n, mask=m, other=0.0)
     return x1, x2
-
-
-@triton.jit
-def load_pair_bias(bias_ptr, bias_off, row_mask, j0, BJ: tl.constexpr, HALF):
-    """The bias of pair columns (j, HALF + j) for each row (bias_off: the rows' rank * N)."""
-    j = j0 + tl.arange(0, BJ)
-    m = row_mask[:, None] & (j < HALF)[None, :]
-    b1 = tl.load(bias_ptr + bias_off[:, None] + j[None, :], mask=m, other=0.0)
-    b2 = tl.load(bias_ptr + bias_off[:, None] + (HALF + j)[None, :], mask=m, other=0.0)
-    return b1, b2
 
 
 @triton.jit
@@ -98,9 +89,9 @@ def rotate_pairs(x1, x2, b1, b2, cos, sin, ROTATE: tl.constexpr):
 def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ: tl.constexpr,
                  HALF, stride_n, ROTATE: tl.constexpr):
     """Bias-added, rotated pair columns (j, HALF + j), j in j0..j0+BJ, as two fp32 tiles
-    (rotate_pairs of load_pair_columns and load_pair_bias)."""
+    (rotate_pairs of the load_pair_columns of x and of the bias)."""
     x1, x2 = load_pair_columns(x_ptr, row_off, row_mask, j0, BJ, HALF, stride_n)
-    b1, b2 = load_pair_bias(bias_ptr, bias_off, row_mask, j0, BJ, HALF)
+    b1, b2 = load_pair_columns(bias_ptr, bias_off, row_mask, j0, BJ, HALF, 1)
     return rotate_pairs(x1, x2, b1, b2, cos, sin, ROTATE)
 
 
