@@ -93,14 +93,15 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                                     skn, P, BJ, j0 < RD, PREC, OPAQUE)
     store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r, rows & (tg < S) & (pid_p == 0),
                  R, RP, TP * RP, EXACT, True)
-    gamma = tl.load(terms + GAMMA * plane + row + tg, mask=rows, other=0.0)
-    trap_scale = tl.load(terms + TRAP_SCALE * plane + row + tg, mask=rows, other=0.0)
+    ts_ok = tt < steps
+    gamma = tl.load(terms + GAMMA * plane + row + t0 + tt, mask=ts_ok, other=0.0)
+    trap_scale = tl.load(terms + TRAP_SCALE * plane + row + t0 + tt, mask=ts_ok, other=0.0)
     log_q, log_k = 0.0, 0.0
     if U > 1:
-        log_q = tl.load(terms + LOG_Q * plane + row + tg, mask=rows, other=0.0)
-        log_k = tl.load(terms + LOG_K * plane + row + tg, mask=rows, other=0.0)
-    w = tile_weights(segsum + b * (sgb * BA) + h * (sgh * BA) + o * U * sgc, log_q, log_k, t,
-                     rows, C, gamma, trap_scale, U)
+        log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
+        log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
+    w = tile_weights(segsum + b * (sgb * BA) + h * (sgh * BA) + o * U * sgc, log_q, log_k, tt,
+                     ts_ok, C, gamma, trap_scale, RP, U)
     psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, tt < steps,
                              mimo_v + h * R * P, R, p, pm, P, svp, RP)
     q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)

@@ -130,24 +130,31 @@ def intra_weights(seg_ptr, t_row, t_col, mask_row, mask_col, C, gamma_row, trap_
 
 
 @triton.jit
-def tile_weights(seg_ptr, log_q, log_k, t, rows, C, gamma, trap_scale, U: tl.constexpr):
-    """intra_weights over a tile of U consecutive chunks, t the step in the tile.
+def tile_weights(seg_ptr, log_q, log_k, ts, steps_ok, C, gamma, trap_scale, RP: tl.constexpr,
+                 U: tl.constexpr):
+    """intra_weights over a tile of U consecutive chunks, as [TP * RP, TP * RP] rows: computed
+    once per pair of steps ([TP, TP]; ts the step in the tile, steps_ok which exist, gamma,
+    trap_scale, log_q, log_k per step) and repeated over the ranks, since the weight of
+    (t, r) on (t', r') does not depend on r, r'. (Rows of a rank >= R get weights too; their
+    q, k and psi_v are zero.)
 
     Within a chunk the exponent A[t] - A[t'] is segsum (seg_ptr: the tile's first [C, C] block;
     segsum is contiguous, so chunk k's block follows at k * C * C). Across chunks it is
     log_q[t] + log_k[t'] (step_terms' LOG_Q, LOG_K: da_cs[t] + da_cs_rev[t'] and the decays of
     the chunks between), assembled from the given pieces as SPEC section 2 allows."""
+    ok = steps_ok[:, None] & steps_ok[None, :]
+    before = (ts[None, :] < ts[:, None]) & ok
     if U == 1:
-        w = intra_weights(seg_ptr, t, t, rows, rows, C, gamma, trap_scale)
+        expo = tl.load(seg_ptr + ts[:, None] * C + ts[None, :], mask=before, other=0.0)
     else:
-        ok = rows[:, None] & rows[None, :]
-        before = (t[None, :] < t[:, None]) & ok
-        same_chunk = (t // C)[:, None] == (t // C)[None, :]
-        seg = tl.load(seg_ptr + t[:, None] * C + (t % C)[None, :], mask=before & same_chunk,
+        same_chunk = (ts // C)[:, None] == (ts // C)[None, :]
+        seg = tl.load(seg_ptr + ts[:, None] * C + (ts % C)[None, :], mask=before & same_chunk,
                       other=0.0)
         expo = tl.where(same_chunk, seg, log_q[:, None] + log_k[None, :])
-        w = _causal_mix(expo, before, (t[None, :] == t[:, None]) & ok, gamma, trap_scale)
-    return w
+    w = _causal_mix(expo, before, (ts[None, :] == ts[:, None]) & ok, gamma, trap_scale)
+    TP: tl.constexpr = w.shape[0]
+    w = tl.broadcast_to(w[:, None, :, None], (TP, RP, TP, RP))
+    return tl.reshape(w, (TP * RP, TP * RP))
 
 
 @triton.jit
