@@ -72,24 +72,24 @@ def _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_c
     dev, x16 = q.device, (q.dtype,)
     f32 = (torch.float32,)
     nc = math.ceil(S / chunk_size)
-    _check_tensor("dout", dout, (B, S, H, P), x16, dev)
-    _check_tensor("k", k, (B, S, R, G, N), x16, dev)
-    _check_tensor("v", v, (B, S, H, P), x16, dev)
-    _check_tensor("q_bias", q_bias, (H, R, N), f32, dev)
-    _check_tensor("k_bias", k_bias, (H, R, N), f32, dev)
-    _check_tensor("mimo_v", mimo_v, (H, R, P), f32, dev)
-    _check_tensor("mimo_o", mimo_o, (H, R, P), f32, dev)
-    _check_tensor("angles", angles, (B, S, H, RD), f32, dev)
-    _check_tensor("da_cs", da_cs, (B, H, S), f32, dev)
-    _check_tensor("da_cs_rev", da_cs_rev, (B, H, S), f32, dev)
-    _check_tensor("dt", dt, (B, H, S), f32, dev)
-    _check_tensor("trap", trap, (B, H, S), tuple({torch.float32, q.dtype}), dev)
-    _check_tensor("segsum", segsum, (B, H, nc, chunk_size, chunk_size), f32, dev)
+    seq, hs, hrp = (B, S, H, P), (B, H, S), (H, R, P)
+    checks = [("dout", dout, seq, x16), ("k", k, (B, S, R, G, N), x16), ("v", v, seq, x16),
+              ("q_bias", q_bias, (H, R, N), f32), ("k_bias", k_bias, (H, R, N), f32),
+              ("mimo_v", mimo_v, hrp, f32), ("mimo_o", mimo_o, hrp, f32),
+              ("angles", angles, (B, S, H, RD), f32), ("da_cs", da_cs, hs, f32),
+              ("da_cs_rev", da_cs_rev, hs, f32), ("dt", dt, hs, f32),
+              ("trap", trap, hs, (torch.float32, q.dtype)),
+              ("segsum", segsum, (B, H, nc, chunk_size, chunk_size), f32)]
     if mimo_z is not None:
-        _check_tensor("mimo_z", mimo_z, (H, R, P), f32, dev)
-        _check_tensor("z", z, (B, S, H, P), x16, dev)
+        checks += [("mimo_z", mimo_z, hrp, f32), ("z", z, seq, x16)]
     if d is not None:
-        _check_tensor("d", d, (H,), f32, dev)
+        checks.append(("d", d, (H,), f32))
+    # one loop of plain comparisons on every call; _check_tensor, with its messages, only for
+    # an argument that fails them (the host's time per call matters, optimisation.md step 39)
+    for name, x, shape, dtypes in checks:
+        if not (isinstance(x, Tensor) and x.shape == shape and x.dtype in dtypes
+                and x.device == dev):
+            _check_tensor(name, x, shape, dtypes, dev)
     return dispatch.Problem(B=B, S=S, H=H, G=G, N=N, P=P, R=R, C=chunk_size, RD=RD,
                             dtype=q.dtype, has_z=z is not None, has_d=d is not None,
                             output_dtype=output_dtype, device=dev)

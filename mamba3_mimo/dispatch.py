@@ -263,6 +263,19 @@ def _choose(launch, candidates: Callable[[Problem, dict], List[dict]], a, out, m
     return _config_cache[key]
 
 
+_placeholders: Dict[torch.device, torch.Tensor] = {}
+
+
+def placeholder(device: torch.device) -> torch.Tensor:
+    """A one-element fp32 tensor, one per device and kept, for pointer arguments that a kernel
+    never follows (absent optional inputs, unused scratch): a call then allocates none for them
+    (each allocation costs the host a few microseconds, docs/optimisation.md step 39)."""
+    t = _placeholders.get(device)
+    if t is None:
+        t = _placeholders[device] = torch.empty(1, device=device, dtype=torch.float32)
+    return t
+
+
 def _prepare(args: dict, pb: Problem) -> dict:
     """Contiguous small tensors, shared strides inside the (q, k) and (v, dout, z) families,
     and placeholders for absent optional inputs (never read: their flags are off)."""
@@ -276,10 +289,9 @@ def _prepare(args: dict, pb: Problem) -> dict:
         for name in ("v", "dout", "z"):
             if a[name] is not None:
                 a[name] = a[name].contiguous()
-    dummy = torch.empty(1, device=pb.device, dtype=torch.float32)
     for name in ("mimo_z", "d"):
         if a[name] is None:
-            a[name] = dummy
+            a[name] = placeholder(pb.device)
     if a["z"] is None:
         a["z"] = a["v"]
     return a
@@ -350,11 +362,10 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
     else:
         # fp32 outputs: the states are their own scratch. Otherwise an fp32 tensor of their
         # shape, except where the scan runs and chunk_output reads the rounded states: then
-        # nothing reads or writes it (268 MB at N128_P64_R4_C16, B = 4) and a one-element fp32
-        # tensor stands in. The configs are chosen with the stand-in, whose type and alignment
-        # are the scratch's, so that the probes compile the kernels that run.
-        out["inc"] = (out["states"] if odt == torch.float32 else
-                      torch.empty(1, device=dev, dtype=torch.float32))
+        # nothing reads or writes it (268 MB at N128_P64_R4_C16, B = 4) and the placeholder
+        # stands in. The configs are chosen with the stand-in, whose type and alignment are the
+        # scratch's, so that the probes compile the kernels that run.
+        out["inc"] = out["states"] if odt == torch.float32 else placeholder(dev)
         step_terms.launch(a, out, m)
         s_cfg = _choose(chunk_state.launch, _state_candidates, a, out, m, pb)
         probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
@@ -362,12 +373,17 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
         if odt != torch.float32 and not (s_cfg["SCAN"] and m["OUT_STATES"]):
             out["inc"] = torch.empty(out["states"].shape, device=dev, dtype=torch.float32)
         chunk_state.launch(a, out, m, s_cfg)
-        groups = cdiv(m["nc"], m["U"])
-        out["part_o"] = torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
-        out["part_z"] = (torch.empty(B * H, groups, R, P, device=dev, dtype=torch.float32)
-                         if pb.has_z else out["part_o"])
+        # the partial sums of dmimo_o and dmimo_z in one allocation, reduced by one sum: on the
+        # small shapes the host's time per call, not the GPU's, decides (step 39). Each starts
+        # 256-byte aligned whatever B and S, as separate allocations would (an alignment that
+        # changed with the length would recompile chunk_output)
+        tiles = cdiv(m["nc"], m["U"])
+        n_sums, block = (2 if pb.has_z else 1), cdiv(B * H * tiles * R * P, 64) * 64
+        parts = torch.empty(n_sums * block, device=dev, dtype=torch.float32).as_strided(
+            (n_sums, B, H, tiles, R, P), (block, H * tiles * R * P, tiles * R * P, R * P, P, 1))
+        out["part_o"], out["part_z"] = parts[0], parts[n_sums - 1]
         chunk_output.launch(a, out, m, o_cfg)
-        dmimo_o = out["part_o"].view(B, H, groups, R, P).sum(2)
-        dmimo_z = out["part_z"].view(B, H, groups, R, P).sum(2) if pb.has_z else None
+        sums = parts.sum(3)
+        dmimo_o, dmimo_z = sums[0], sums[1] if pb.has_z else None
     return (out["states"], out["qk_dot"], dmimo_o, dmimo_z if pb.has_z else None,
             out["dz"] if pb.has_z else None)

@@ -75,9 +75,14 @@ def launch(a: dict, out: dict, meta: dict) -> None:
     (fp32), for chunk_output tiles of meta["U"] chunks."""
     m = meta
     n_bh, S_pad, RD = m["B"] * m["H"], m["S_pad"], m["RD"]
-    out["terms"] = torch.empty(N_PLANES, n_bh, S_pad, device=a["dt"].device, dtype=torch.float32)
-    out["cos"] = torch.empty(n_bh, S_pad, RD, device=a["dt"].device, dtype=torch.float32)
-    out["sin"] = torch.empty_like(out["cos"])
+    # one allocation for the three (a few microseconds of host time each, docs/optimisation.md
+    # step 39), each 256-byte aligned whatever B and S, as separate allocations would be
+    n_terms, n_table = cdiv(N_PLANES * n_bh * S_pad, 64) * 64, cdiv(n_bh * S_pad * RD, 64) * 64
+    buf = torch.empty(n_terms + 2 * n_table, device=a["dt"].device, dtype=torch.float32)
+    out["terms"] = buf.as_strided((N_PLANES, n_bh, S_pad), (n_bh * S_pad, S_pad, 1))
+    table = (n_bh, S_pad, RD), (S_pad * RD, RD, 1)
+    out["cos"] = buf.as_strided(*table, n_terms)
+    out["sin"] = buf.as_strided(*table, n_terms + n_table)
     BS = 32
     launch_kernel(step_terms_kernel, (n_bh, cdiv(S_pad, BS)), (
         a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
