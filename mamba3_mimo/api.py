@@ -19,6 +19,10 @@ _OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_tensor(name: str, x, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+    # one line of plain comparisons for a good argument, which is every call's case (the host's
+    # time per call matters, optimisation.md step 39); the messages only for a bad one
+    if isinstance(x, Tensor) and x.shape == shape and x.dtype in dtypes and x.device == device:
+        return
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if tuple(x.shape) != tuple(shape):
@@ -84,12 +88,8 @@ def _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_c
         checks += [("mimo_z", mimo_z, hrp, f32), ("z", z, seq, x16)]
     if d is not None:
         checks.append(("d", d, (H,), f32))
-    # one loop of plain comparisons on every call; _check_tensor, with its messages, only for
-    # an argument that fails them (the host's time per call matters, optimisation.md step 39)
     for name, x, shape, dtypes in checks:
-        if not (isinstance(x, Tensor) and x.shape == shape and x.dtype in dtypes
-                and x.device == dev):
-            _check_tensor(name, x, shape, dtypes, dev)
+        _check_tensor(name, x, shape, dtypes, dev)
     return dispatch.Problem(B=B, S=S, H=H, G=G, N=N, P=P, R=R, C=chunk_size, RD=RD,
                             dtype=q.dtype, has_z=z is not None, has_d=d is not None,
                             output_dtype=output_dtype, device=dev)

@@ -21,7 +21,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 import triton
 
-from .kernels import cdiv, chunk_output, chunk_state, next_pow2, stage0, step_terms
+from .kernels import (aligned_numel, cdiv, chunk_output, chunk_state, next_pow2, stage0,
+                      step_terms)
 
 IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
@@ -373,12 +374,10 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
         if odt != torch.float32 and not (s_cfg["SCAN"] and m["OUT_STATES"]):
             out["inc"] = torch.empty(out["states"].shape, device=dev, dtype=torch.float32)
         chunk_state.launch(a, out, m, s_cfg)
-        # the partial sums of dmimo_o and dmimo_z in one allocation, reduced by one sum: on the
-        # small shapes the host's time per call, not the GPU's, decides (step 39). Each starts
-        # 256-byte aligned whatever B and S, as separate allocations would (an alignment that
-        # changed with the length would recompile chunk_output)
+        # the partial sums of dmimo_o and dmimo_z as views of one allocation, reduced by one
+        # sum: on the small shapes the host's time per call, not the GPU's, decides (step 39)
         tiles = cdiv(m["nc"], m["U"])
-        n_sums, block = (2 if pb.has_z else 1), cdiv(B * H * tiles * R * P, 64) * 64
+        n_sums, block = (2 if pb.has_z else 1), aligned_numel(B * H * tiles * R * P)
         parts = torch.empty(n_sums * block, device=dev, dtype=torch.float32).as_strided(
             (n_sums, B, H, tiles, R, P), (block, H * tiles * R * P, tiles * R * P, R * P, P, 1))
         out["part_o"], out["part_z"] = parts[0], parts[n_sums - 1]

@@ -14,6 +14,14 @@ def next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
+def aligned_numel(numel: int) -> int:
+    """numel rounded up to whole 256 bytes of fp32. Views of one scratch allocation start at such
+    offsets, so that each is as aligned as a separate allocation whatever B and S: an alignment
+    that changed with the length would make Triton compile another kernel. One allocation
+    instead of several saves host time per call (docs/optimisation.md, step 39)."""
+    return cdiv(numel, 64) * 64
+
+
 def input_align(cap: int, *tensors) -> int:
     """The largest power of two <= cap that divides every stride but the innermost of each
     tensor (0 counts as divisible).

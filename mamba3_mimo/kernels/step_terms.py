@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cdiv
+from . import aligned_numel, cdiv
 from .common import rotary_cos_sin, trap_terms
 from .launcher import launch_kernel
 
@@ -75,9 +75,8 @@ def launch(a: dict, out: dict, meta: dict) -> None:
     (fp32), for chunk_output tiles of meta["U"] chunks."""
     m = meta
     n_bh, S_pad, RD = m["B"] * m["H"], m["S_pad"], m["RD"]
-    # one allocation for the three (a few microseconds of host time each, docs/optimisation.md
-    # step 39), each 256-byte aligned whatever B and S, as separate allocations would be
-    n_terms, n_table = cdiv(N_PLANES * n_bh * S_pad, 64) * 64, cdiv(n_bh * S_pad * RD, 64) * 64
+    # the three tables as views of one allocation
+    n_terms, n_table = aligned_numel(N_PLANES * n_bh * S_pad), aligned_numel(n_bh * S_pad * RD)
     buf = torch.empty(n_terms + 2 * n_table, device=a["dt"].device, dtype=torch.float32)
     out["terms"] = buf.as_strided((N_PLANES, n_bh, S_pad), (n_bh * S_pad, S_pad, 1))
     table = (n_bh, S_pad, RD), (S_pad * RD, RD, 1)
