@@ -1,7 +1,8 @@
 """A/B of production-path variants on a GPU, one process per (round, variant) so that a CUDA fault
 in one variant cannot poison the others: end-to-end time on official shapes (do_bench's median
-in each round, the best round reported), the registers and spills of each launched kernel, and
-(first round only) the errors against the float64 golden on the test sweep's shapes (bf16
+in each round, the best round reported), the kernels' own device time per call (the profiler's,
+free of host time, which decides the small shapes' end-to-end times), the registers and spills
+of each launched kernel, and (first round only) the errors against the float64 golden on the test sweep's shapes (bf16
 inputs, Z and D on, fp32 outputs).
 
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
@@ -99,7 +100,7 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     apply(variant)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run in the interpreter
     log = launched_kernels() if dev == "cuda" else []
-    res = dict(name=variant["name"], times={}, kernels={}, worst_err_over_thr=0.0, errors={})
+    res = dict(name=variant["name"], times={}, device={}, kernels={}, worst_err_over_thr=0.0, errors={})
     for s in official_shapes():
         if shape_filter not in s.name:
             continue
@@ -114,6 +115,9 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
         res["times"][s.name] = triton.testing.do_bench(
             lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"), rep=25,
             return_mode="median")
+        if dev == "cuda":
+            res["device"][s.name] = device_ms(
+                lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"))
     names = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
     for s in _sweep_shapes() if check else []:
         a = make_inputs(s, torch.bfloat16, device=dev, seed=7)
@@ -125,6 +129,20 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
         res["worst_err_over_thr"] = max(res["worst_err_over_thr"],
                                         max(errs.values()) / THRESHOLDS[torch.bfloat16])
     return res
+
+
+def device_ms(fn, calls: int = 20) -> dict:
+    """Device time per call of each kernel `fn` launches, in ms (torch.profiler's CUDA events):
+    the kernels alone, whatever the host adds between them."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / 1e3 / calls for e in prof.key_averages()
+            if e.self_device_time_total > 0}
 
 
 def patched_tree(patch: str, into: str) -> str:
@@ -174,18 +192,32 @@ def main() -> int:
 
 
 def report(variants: list, runs: list, rounds: int) -> None:
-    """Print the comparison table of ab.json's runs."""
-    base = variants[0]["name"]
+    """Print the comparison tables of ab.json's runs: end to end, then the kernels' device
+    time."""
     ok = [x for x in runs if "times" in x]
-    shapes = sorted({s for x in ok for s in x["times"]})
     # the best round of each variant: interference (another process, the host, clocks) only
     # adds time; "~" marks a shape whose rounds differ by more than 10 %
-    print(f"best of {rounds} rounds, ms (~: rounds differ by > 10 %)")
+    print(f"end to end (do_bench), best of {rounds} rounds, ms (~: rounds differ by > 10 %)")
+    table(variants, [(x["name"], x["times"]) for x in ok])
+    dev = [(x["name"], {s: sum(k.values()) for s, k in x.get("device", {}).items()}) for x in ok]
+    if any(d for _, d in dev):
+        print(f"kernels' device time per call (profiler), best of {rounds} rounds, ms")
+        table(variants, dev)
+    for v in variants:
+        worst = [x["worst_err_over_thr"] for x in ok if x["name"] == v["name"] and x["errors"]]
+        print(f"{v['name']}: worst error / threshold on the sweep "
+              f"{max(worst) if worst else float('nan'):.2f}")
+
+
+def table(variants: list, runs: list) -> None:
+    """One row per shape, one column per variant: the best of its runs' (name, {shape: ms})."""
+    base = variants[0]["name"]
+    shapes = sorted({s for _, t in runs for s in t})
     print(f"{'shape':18s}" + "".join(f"{v['name']:>17s}" for v in variants))
     for s in shapes:
         best, wide = {}, {}
         for v in variants:
-            t = [x["times"][s] for x in ok if x["name"] == v["name"] and s in x["times"]]
+            t = [times[s] for name, times in runs if name == v["name"] and s in times]
             best[v["name"]] = min(t) if t else None
             wide[v["name"]] = bool(t) and max(t) > 1.1 * min(t)
         print(f"{s:18s}" + "".join(
@@ -193,10 +225,6 @@ def report(variants: list, runs: list, rounds: int) -> None:
             f"{best[n]:9.3f}{'~' if wide[n] else ' '}" +
             (f" {best[n] / best[base]:5.2f}x" if best.get(base) else "      ")
             for n in (v["name"] for v in variants)))
-    for v in variants:
-        worst = [x["worst_err_over_thr"] for x in ok if x["name"] == v["name"] and x["errors"]]
-        print(f"{v['name']}: worst error / threshold on the sweep "
-              f"{max(worst) if worst else float('nan'):.2f}")
 
 
 if __name__ == "__main__":

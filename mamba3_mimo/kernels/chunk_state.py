@@ -142,20 +142,27 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     if KEEP_FP32:
         tl.store(keep + off, run1, mask=m)
         tl.store(keep + off + HALF * P, run2, mask=m)
-    # chunk 0's inputs; in the loop, chunk c + 1's are loaded before chunk c's math, so that the
+    # chunk 0's inputs; in the loop, chunk c + 2's are loaded before chunk c's math, so that the
     # serial loop waits for memory only when the math is shorter than a load (step 9 waited
     # once per chunk)
     x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 0, C, t, r, rows, tt,
                                           nc > 1, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
                                           BJ)
+    # chunk 0's increment, and chunk 1's inputs: in the loop, chunk c + 1's increment is computed
+    # after chunk c's state is stored, so that the running state's update never waits for a dot
+    k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
+    inc1 = dot(psi_t, k1 * w[:, None], PREC)
+    inc2 = dot(psi_t, k2 * w[:, None], PREC)
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 1, C, t, r, rows, tt,
+                                          nc > 2, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
+                                          BJ)
     for c in range(0, nc - 1):
-        nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c + 1, C, t, r,
-                                                    rows, tt, c + 2 < nc, p, pm, sks, skr, skn,
+        nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c + 2, C, t, r,
+                                                    rows, tt, c + 3 < nc, p, pm, sks, skr, skn,
                                                     svs, svp, j0, HALF, RD, BJ)
-        k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
         decay = tl.exp(tl.load(da_cs + row + c * C + C - 1))
-        run1 = run1 * decay + dot(psi_t, k1 * w[:, None], PREC)
-        run2 = run2 * decay + dot(psi_t, k2 * w[:, None], PREC)
+        run1 = run1 * decay + inc1
+        run2 = run2 * decay + inc2
         so = off + (c + 1) * N * P
         tl.store(states + so, run1.to(states.dtype.element_ty), mask=m)
         tl.store(states + so + HALF * P, run2.to(states.dtype.element_ty), mask=m)
@@ -163,7 +170,12 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
             tile_start = (c + 1) % U == 0
             tl.store(keep + so, run1, mask=m & tile_start)
             tl.store(keep + so + HALF * P, run2, mask=m & tile_start)
+        # chunk c + 1's increment (zero past the last chunk that has one: its inputs are masked)
+        k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
+        inc1 = dot(psi_t, k1 * w[:, None], PREC)
+        inc2 = dot(psi_t, k2 * w[:, None], PREC)
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
+
 
 def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     """Write out["states"]; after it, out["inc"] (an fp32 tensor of the states' shape, or
