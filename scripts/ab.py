@@ -2,8 +2,8 @@
 in one variant cannot poison the others: end-to-end time on official shapes (do_bench's median
 in each round, the best round reported), the kernels' own device time per call (the profiler's,
 free of host time, which decides the small shapes' end-to-end times), the registers and spills
-of each launched kernel, and (first round only) the errors against the float64 golden on the test sweep's shapes (bf16
-inputs, Z and D on, fp32 outputs).
+of each launched kernel, and (first round only) the errors against the float64 golden on the
+test sweep's shapes (bf16 inputs, Z and D on, fp32 outputs).
 
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
 (filter "" = every official shape; "none" = none, e.g. for a CPU dry run with TRITON_INTERPRET=1)
@@ -100,7 +100,8 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     apply(variant)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run in the interpreter
     log = launched_kernels() if dev == "cuda" else []
-    res = dict(name=variant["name"], times={}, device={}, kernels={}, worst_err_over_thr=0.0, errors={})
+    res = dict(name=variant["name"], times={}, device={}, kernels={}, worst_err_over_thr=0.0,
+               errors={})
     for s in official_shapes():
         if shape_filter not in s.name:
             continue
