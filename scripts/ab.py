@@ -19,7 +19,8 @@ through Triton's JITFunction.run instead of kernels.launcher's direct launches (
 e.g. [{"name": "triton", "direct": false}, {"name": "direct"}]; "check": false skips the error
 sweep for a variant whose arithmetic is the baseline's (a launch path, a prefetch), which saves
 most of its first round; "patch": "path/to.patch" runs the variant on a copy of the package with
-that patch applied (`git apply`, paths as in `git diff` from the repository root), so that
+that patch applied (`git apply`, paths as in `git diff` from the repository root; a list of
+patches is applied in order), so that
 kernel changes are timed interleaved with the baseline. The first variant is the baseline.
 Writes $OUT/ab.json and prints the comparison table.
 """
@@ -146,12 +147,14 @@ def device_ms(fn, calls: int = 20) -> dict:
             if e.self_device_time_total > 0}
 
 
-def patched_tree(patch: str, into: str) -> str:
-    """A copy of the mamba3_mimo package with `patch` applied, under `into`; its root."""
+def patched_tree(patch, into: str) -> str:
+    """A copy of the mamba3_mimo package with `patch` (a path, or a list of paths applied in
+    order) applied, under `into`; its root."""
     shutil.copytree(os.path.join(ROOT, "mamba3_mimo"), os.path.join(into, "mamba3_mimo"),
                     ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(["git", "apply", "--include=mamba3_mimo/*", os.path.abspath(patch)],
-                   cwd=into, check=True)
+    for p in [patch] if isinstance(patch, str) else patch:
+        subprocess.run(["git", "apply", "--include=mamba3_mimo/*", os.path.abspath(p)],
+                       cwd=into, check=True)
     return into
 
 
