@@ -158,6 +158,19 @@ def patched_tree(patch, into: str) -> str:
     return into
 
 
+def variant_args(argv: list) -> tuple:
+    """(variants, shape filter, rounds, {name: package root}) from the command line
+    VARIANTS_JSON [shape filter] [rounds]: each variant imports the repository's package, or
+    with "patch" a patched copy."""
+    variants = json.loads(argv[1])
+    shape_filter = argv[2] if len(argv) > 2 else ""
+    rounds = int(argv[3]) if len(argv) > 3 else 2
+    trees = tempfile.mkdtemp(prefix="ab_trees_")
+    roots = {v["name"]: patched_tree(v["patch"], os.path.join(trees, v["name"]))
+             if "patch" in v else ROOT for v in variants}
+    return variants, shape_filter, rounds, roots
+
+
 def main() -> int:
     if sys.argv[1] == "--one":
         res = measure(json.loads(sys.argv[2]), sys.argv[3], sys.argv[4] == "check")
@@ -165,13 +178,7 @@ def main() -> int:
         res["package"] = os.path.dirname(mamba3_mimo.__file__)
         print("AB_RESULT " + json.dumps(res), flush=True)
         return 0
-    variants = json.loads(sys.argv[1])
-    shape_filter = sys.argv[2] if len(sys.argv) > 2 else ""
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    trees = tempfile.mkdtemp(prefix="ab_trees_")
-    # the package each variant imports: the repository's, or a patched copy
-    roots = {v["name"]: patched_tree(v["patch"], os.path.join(trees, v["name"]))
-             if "patch" in v else ROOT for v in variants}
+    variants, shape_filter, rounds, roots = variant_args(sys.argv)
     runs = []
     for r in range(rounds):
         for v in variants:

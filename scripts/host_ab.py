@@ -16,16 +16,11 @@ import sys
 import tempfile
 import time
 
-from ab import ROOT, patched_tree
+from ab import ROOT, variant_args
 
 
 def main() -> int:
-    variants = json.loads(sys.argv[1])
-    shape_filter = sys.argv[2] if len(sys.argv) > 2 else ""
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    trees = tempfile.mkdtemp(prefix="host_ab_trees_")
-    roots = {v["name"]: patched_tree(v["patch"], os.path.join(trees, v["name"]))
-             if "patch" in v else ROOT for v in variants}
+    variants, shape_filter, rounds, roots = variant_args(sys.argv)
     script = os.path.join(ROOT, "scripts", "host_overhead.py")
     runs = []
     for r in range(rounds):
