@@ -166,6 +166,21 @@ def first_call_s(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def kernel_ms(fn: Callable[[], object], calls: int = 20) -> Dict[str, float]:
+    """Device time per call of each kernel that fn launches, in ms (torch.profiler's CUDA
+    events): the kernels alone, without the host's time between them, which decides the
+    end-to-end time of the small shapes (docs/optimisation.md, steps 38 and 41)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / 1e3 / calls for e in prof.key_averages()
+            if e.self_device_time_total > 0}
+
+
 def _attempt(errors: Dict[str, str], name: str, fn: Callable[[], float]) -> Optional[float]:
     """fn(), or None with the error kept, so that one failing candidate spares the others."""
     try:
@@ -205,6 +220,10 @@ def bench_config(cfg: Config, rounds: int, with_stage0: bool,
         bar.update()
     median = {n: statistics.median(t) if t and n not in errors else None
               for n, t in times.items()}
+    # informational: the official time is do_bench's median above
+    kernels = (_attempt(errors, "auto kernels",
+                        lambda: sum(kernel_ms(fns["auto"]).values()))
+               if "auto" in names and median["auto"] is not None else None)
     s = cfg.shape
     up = None if cfg.control else upstream.get((s.name, cfg.z))
     floor = floor_ms(s, cfg.out, cfg.z)
@@ -213,6 +232,8 @@ def bench_config(cfg: Config, rounds: int, with_stage0: bool,
                  output_dtype=DTYPE_NAMES[cfg.out], candidate=n,
                  plan=plan if n == "auto" else None,
                  first_call_s=first[n], ms_rounds=times[n], median_ms=median[n],
+                 kernels_ms=kernels if n == "auto" else None,
+                 kernels_error=errors.get("auto kernels") if n == "auto" else None,
                  error=errors.get(n), hbm_bytes=hbm_bytes(s, cfg.out, cfg.z), floor_ms=floor,
                  upstream_ms=up,
                  upstream_over_ms=_ratio(up, median[n]) if cfg.out == torch.bfloat16 else None,
@@ -248,6 +269,7 @@ def _geomean_row(grid: List[dict], names: Sequence[str]) -> dict:
     return dict(shapes=len(auto),
                 **{f"{n}_ms": geomean([r["median_ms"] for r in grid if r["candidate"] == n])
                    for n in names},
+                kernels_ms=geomean([r.get("kernels_ms") for r in auto]),
                 upstream_ms=geomean([r["upstream_ms"] for r in auto]),
                 floor_ms=geomean([r["floor_ms"] for r in auto]),
                 **{key: geomean([r[key] for r in auto]) for _, key in RATIOS})
@@ -257,7 +279,8 @@ def group_summary(rows: List[dict]) -> Tuple[str, List[dict]]:
     """One markdown table per (Z, output dtype), each closed by its geometric-mean row; and
     those geometric means as dicts."""
     names = list(dict.fromkeys(r["candidate"] for r in rows))
-    headers = (["shape"] + [f"{n} ms" for n in names] + ["upstream ms", "floor ms"]
+    headers = (["shape"] + [f"{n} ms" for n in names] + ["auto kernels ms", "upstream ms",
+                                                          "floor ms"]
                + [h for h, _ in RATIOS] + ["auto 1st call s", "auto plan"])
     sections, gms = [], []
     for out in dict.fromkeys(r["output_dtype"] for r in rows):
@@ -271,14 +294,16 @@ def group_summary(rows: List[dict]) -> Tuple[str, List[dict]]:
                 auto = by.get((label, "auto"), {})
                 ms = [_fmt(by.get((label, n), {}).get("median_ms")) for n in names]
                 lines.append([label] + ms
-                             + [_fmt(auto.get("upstream_ms")), _fmt(auto.get("floor_ms"))]
+                             + [_fmt(auto.get("kernels_ms")), _fmt(auto.get("upstream_ms")),
+                                _fmt(auto.get("floor_ms"))]
                              + [_fmt(auto.get(key), 2) for _, key in RATIOS]
                              + [_fmt(auto.get("first_call_s"), 1), auto.get("plan") or "-"])
             gm = dict(z=z, output_dtype=out,
                       **_geomean_row([r for r in grp if not r["control"]], names))
             gms.append(gm)
             lines.append(["geometric mean (grid)"] + [_fmt(gm[f"{n}_ms"]) for n in names]
-                         + [_fmt(gm["upstream_ms"]), _fmt(gm["floor_ms"])]
+                         + [_fmt(gm["kernels_ms"]), _fmt(gm["upstream_ms"]),
+                            _fmt(gm["floor_ms"])]
                          + [_fmt(gm[key], 2) for _, key in RATIOS] + ["", ""])
             sections.append(f"### Z gate {'on' if z else 'off'}, output {out}\n\n"
                             + md_table(headers, lines))
@@ -333,7 +358,9 @@ def report(rows: List[dict], meta: dict, rounds: int, out_dir: Path) -> str:
             f"torch {meta['torch']}, triton {meta['triton']}; median of {rounds} interleaved "
             f"round(s) of triton.testing.do_bench (median), ms. S=2048 H=16 G=1 (B=4; the control "
             f"shape B=8), bf16 inputs, D on. floor: HBM bytes at {COPY_BANDWIDTH / 1e12:.1f} TB/s; "
-            f"upstream compared at bf16 output only; geometric means exclude the control shape."
+            f"upstream compared at bf16 output only; geometric means exclude the control shape. "
+            f"auto kernels ms, for information: the device time per call of the kernels of auto "
+            f"(torch.profiler, 20 calls), without the host's time between calls."
             f"\n\n{tables}\n")
     (out_dir / "results.md").write_text(text)
     plot(rows, out_dir / "results.png")

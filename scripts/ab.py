@@ -93,6 +93,7 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     import triton
     from conftest import THRESHOLDS, rel_rms
     from mamba3_mimo import api
+    from mamba3_mimo.bench import kernel_ms
     from mamba3_mimo.inputs import make_inputs, official_shapes
     from mamba3_mimo.kernels import launcher
     from mamba3_mimo.reference import bwd_fwd_reference
@@ -118,7 +119,7 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
             lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"), rep=25,
             return_mode="median")
         if dev == "cuda":
-            res["device"][s.name] = device_ms(
+            res["device"][s.name] = kernel_ms(
                 lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"))
     names = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
     for s in _sweep_shapes() if check else []:
@@ -131,20 +132,6 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
         res["worst_err_over_thr"] = max(res["worst_err_over_thr"],
                                         max(errs.values()) / THRESHOLDS[torch.bfloat16])
     return res
-
-
-def device_ms(fn, calls: int = 20) -> dict:
-    """Device time per call of each kernel `fn` launches, in ms (torch.profiler's CUDA events):
-    the kernels alone, whatever the host adds between them."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / 1e3 / calls for e in prof.key_averages()
-            if e.self_device_time_total > 0}
 
 
 def patched_tree(patch, into: str) -> str:

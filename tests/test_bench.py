@@ -47,7 +47,8 @@ def test_report_loop_writes_results(tmp_path, monkeypatch):
                              H=s.H, G=s.G, N=s.N, P=s.P, R=s.R, C=s.C, z=cfg.z, d_skip=True,
                              input_dtype="bf16", output_dtype=bench.DTYPE_NAMES[cfg.out],
                              candidate=n, plan=None, first_call_s=1.0, ms_rounds=[ms],
-                             median_ms=ms, error=None, hbm_bytes=1, floor_ms=0.1,
+                             median_ms=ms, kernels_ms=0.8 if n == "auto" else None,
+                             kernels_error=None, error=None, hbm_bytes=1, floor_ms=0.1,
                              upstream_ms=up, upstream_over_ms=up / ms if up else None,
                              stage0_over_ms=4.0 / ms, ms_over_floor=ms / 0.1))
         bar.update(rounds + 1)
@@ -66,3 +67,5 @@ def test_report_loop_writes_results(tmp_path, monkeypatch):
     assert not (tmp_path / "partial.jsonl").exists()
     md = (tmp_path / "results.md").read_text()
     assert md.count("### Z gate") == 2 and "geometric mean" in md
+    assert "auto kernels ms" in md and "| 0.800 |" in md
+    assert all(g["kernels_ms"] == pytest.approx(0.8) for g in data["geomean"])
