@@ -83,9 +83,15 @@ def on_cpu(shapes, n: int, z_gate: bool) -> list:
     dispatch.check_device = lambda device: None
     # on CUDA the configs come from the cache after a model's first call; on a CPU device
     # _choose rebuilds the candidate lists each time, which a GPU call does not pay
-    first = {}
-    dispatch._choose = lambda launch, cands, a, out, m, pb: first.setdefault(
-        (launch, cands), cands(pb, m)[0])
+    chosen = {}
+
+    def choose(launch, candidates, a, out, m, pb):
+        key = (launch.__module__, pb.N, pb.P, pb.R, pb.C, pb.dtype, pb.has_z, pb.has_d)
+        if key not in chosen:
+            chosen[key] = candidates(pb, m)[0]
+        return chosen[key]
+
+    dispatch._choose = choose
     rows = []
     for s in shapes:
         small = Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)  # the host path ignores B and S
