@@ -16,13 +16,13 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import triton
 
-from .kernels import (aligned_numel, cdiv, chunk_output, chunk_state, next_pow2, stage0,
-                      step_terms)
+from .kernels import (aligned_numel, cdiv, chunk_output, chunk_state, launcher, next_pow2,
+                      stage0, step_terms)
 
 IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
@@ -93,15 +93,15 @@ def check_device(device: torch.device) -> None:
 @contextlib.contextmanager
 def smem_limit_override(limit_bytes: int) -> Iterator[None]:
     """Pretend the device allows at most `limit_bytes` of shared memory per block (for tests of
-    small-shared-memory GPUs such as the RTX 4090); clears the config cache on entry and exit."""
+    small-shared-memory GPUs such as the RTX 4090); clears the caches on entry and exit."""
     global _smem_override
     old, _smem_override = _smem_override, limit_bytes
-    _config_cache.clear()
+    clear_caches()
     try:
         yield
     finally:
         _smem_override = old
-        _config_cache.clear()
+        clear_caches()
 
 
 def smem_limit(device: torch.device) -> int:
@@ -224,10 +224,12 @@ def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     return out
 
 
-def _fits(launch, a, out, m, cfg, limit) -> bool:
-    """Compile (without running) and compare the kernel's shared memory with the limit."""
+def _fits(launches, a, out, m, cfg, limit) -> bool:
+    """Compile (without running) the first of the launches and compare its shared memory with
+    the limit."""
+    fn, grid, args, options = launches(a, out, m, cfg)[0]
     try:
-        compiled = launch(a, out, m, cfg, warmup=True)
+        compiled = fn.warmup(*args, grid=grid, **options)
     except triton.runtime.errors.OutOfResources:
         return False
     if hasattr(compiled, "result"):
@@ -245,7 +247,7 @@ def select(pb: Problem) -> Plan:
     return Plan("chunked", _state_candidates(pb, m)[0], _output_candidates(pb, m)[0], m["U"])
 
 
-def _choose(launch, candidates: Callable[[Problem, dict], List[dict]], a, out, m, pb) -> dict:
+def _choose(launches, candidates: Callable[[Problem, dict], List[dict]], a, out, m, pb) -> dict:
     """First of candidates(pb, m) whose compiled kernel fits the shared-memory limit (cached per
     model, so that the list is built and compiled only on a model's first call)."""
     if pb.device.type != "cuda":
@@ -253,12 +255,12 @@ def _choose(launch, candidates: Callable[[Problem, dict], List[dict]], a, out, m
     limit = smem_limit(pb.device)
     # U sets chunk_output's tile height, hence its shared memory: part of the key even though it
     # follows from C and R, so that a config is never reused for another tile
-    key = (launch.__module__, pb.N, pb.P, pb.R, pb.C, pb.RD, m["U"], pb.dtype, pb.output_dtype,
+    key = (launches.__module__, pb.N, pb.P, pb.R, pb.C, pb.RD, m["U"], pb.dtype, pb.output_dtype,
            pb.has_z, pb.has_d, pb.device, limit)
     if key not in _config_cache:
-        fit = next((c for c in candidates(pb, m) if _fits(launch, a, out, m, c, limit)), None)
+        fit = next((c for c in candidates(pb, m) if _fits(launches, a, out, m, c, limit)), None)
         if fit is None:
-            raise RuntimeError(f"no config of {launch.__module__} fits in {limit} bytes of "
+            raise RuntimeError(f"no config of {launches.__module__} fits in {limit} bytes of "
                                "shared memory per block")
         _config_cache[key] = fit
     return _config_cache[key]
@@ -340,10 +342,143 @@ def kernel_chunk_size(C: int, R: int) -> int:
                if C % c == 0 and (c == 1 or _tile_fits(c, R, TILE_ROWS)))
 
 
+# A chunked call's plan, cached per signature (the Problem, with B and S, and the strides of the
+# given tensors): the constants, the configs and each launch's arguments with its tensors left
+# open. A repeated call then only allocates its outputs and binds its tensors; on the small
+# shapes the host's time per call, not the GPU's, decides (docs/optimisation.md, step 42).
+MAX_CALL_PLANS = 1024
+_call_plans: Dict[tuple, "_CallPlan"] = {}
+
+
+def clear_caches() -> None:
+    """Forget the chosen configs and the call plans (after a change to what the dispatcher
+    picks, such as a shared-memory limit or, in tests, its candidates)."""
+    _config_cache.clear()
+    _call_plans.clear()
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """What `run` launches for one signature. Each launch is (bound, args, slots):
+    `launcher.BoundLaunch` of the kernel, grid and options, the arguments with None at the
+    tensors, and slots ((position, name), ...) naming the input or output each tensor is bound
+    from at every call."""
+    meta: dict
+    fp32_scratch: bool  # chunk_state's fp32 copy of the states is allocated
+    launches: tuple
+
+    def launch(self, env: dict) -> None:
+        """Launch every kernel with the tensors of env (the inputs and outputs by name)."""
+        for bound, template, slots in self.launches:
+            args = list(template)
+            for i, name in slots:
+                args[i] = env[name]
+            bound(tuple(args))
+
+
+def _outputs(pb: Problem, m: dict, fp32_scratch: bool) -> dict:
+    """A call's outputs and scratch, by name: states, qk_dot, dz (the placeholder without Z),
+    inc (the states themselves for fp32 outputs, an fp32 copy with fp32_scratch, else the
+    placeholder), step_terms' tables, and the dmimo partial sums ("parts", with the views
+    part_o and part_z)."""
+    dev, odt = pb.device, pb.output_dtype
+    B, H, R, P = pb.B, pb.H, pb.R, pb.P
+    states = torch.empty(B, H, m["nc"], pb.N, P, device=dev, dtype=odt)
+    out = dict(states=states, qk_dot=torch.empty(B, H, pb.S, R, R, device=dev, dtype=odt),
+               dz=torch.empty(B, pb.S, H, P, device=dev, dtype=odt) if pb.has_z
+               else placeholder(dev),
+               inc=states if odt == torch.float32 else
+               torch.empty(states.shape, device=dev, dtype=torch.float32) if fp32_scratch
+               else placeholder(dev),
+               **step_terms.tables(m, dev))
+    # the partial sums of dmimo_o and dmimo_z as views of one allocation, reduced by one sum
+    # (step 39)
+    tiles = cdiv(m["nc"], m["U"])
+    n_sums, block = (2 if pb.has_z else 1), aligned_numel(B * H * tiles * R * P)
+    out["parts"] = torch.empty(n_sums * block, device=dev, dtype=torch.float32).as_strided(
+        (n_sums, B, H, tiles, R, P), (block, H * tiles * R * P, tiles * R * P, R * P, P, 1))
+    parts = out["parts"].unbind(0)
+    out["part_o"], out["part_z"] = parts[0], parts[-1]
+    return out
+
+
+def _templates(launches: list, env: dict, constant: torch.Tensor) -> tuple:
+    """The launches with every tensor argument but `constant` (the kept placeholder) replaced by
+    the name it has in env; launches with an empty grid (chunk_increment for a single chunk)
+    left out, since they launch nothing."""
+    names: Dict[int, str] = {}
+    for name, x in env.items():
+        if isinstance(x, torch.Tensor):
+            names.setdefault(id(x), name)
+    plans = []
+    for fn, grid, args, options in launches:
+        if 0 in grid:
+            continue
+        template, slots = list(args), []
+        for i, x in enumerate(args):
+            if isinstance(x, torch.Tensor) and x is not constant:
+                if id(x) not in names:
+                    raise AssertionError(f"{fn.__name__}: argument {i} is a tensor that is "
+                                         "neither an input nor an output of the call")
+                template[i] = None
+                slots.append((i, names[id(x)]))
+        plans.append((launcher.BoundLaunch(fn, grid, args, options), tuple(template),
+                      tuple(slots)))
+    return tuple(plans)
+
+
+def _new_call_plan(pb: Problem, a: dict) -> Tuple["_CallPlan", dict]:
+    """The call plan of this problem and prepared inputs, and the outputs of this call."""
+    check_tile_rows(pb.C, pb.R)
+    m = _meta(pb)
+    # the configs are chosen with the stand-in for the fp32 scratch, whose type and alignment are
+    # the scratch's, so that the probes compile the kernels that run
+    out = _outputs(pb, m, fp32_scratch=False)
+    s_cfg = _choose(chunk_state.launches, _state_candidates, a, out, m, pb)
+    probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
+    o_cfg = _choose(chunk_output.launches, _output_candidates, a, probe, m, pb)
+    # fp32 outputs: the states are their own scratch. Otherwise an fp32 tensor of their shape,
+    # except where the scan runs and chunk_output reads the rounded states: then nothing reads
+    # or writes it (268 MB at N128_P64_R4_C16, B = 4) and the placeholder stands in.
+    fp32_scratch = pb.output_dtype != torch.float32 and not (s_cfg["SCAN"] and m["OUT_STATES"])
+    if fp32_scratch:
+        out["inc"] = torch.empty(out["states"].shape, device=pb.device, dtype=torch.float32)
+    launches = (step_terms.launches(a, out, m) + chunk_state.launches(a, out, m, s_cfg)
+                + chunk_output.launches(a, out, m, o_cfg))
+    env = dict(a, **out)
+    return _CallPlan(m, fp32_scratch, _templates(launches, env, placeholder(pb.device))), out
+
+
 def run(pb: Problem, args: dict, impl: str = "auto"):
     """Allocate the outputs and run the chosen implementation on padded inputs `args`."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "stage0":
+        return _run_stage0(pb, args)
+    # the strides decide the prepared inputs' strides and every integer argument of a launch;
+    # the Problem everything else (the launcher keys each launch on its tensors' dtypes and
+    # alignment)
+    key = (pb, tuple([None if x is None else x.stride() for x in args.values()]))
+    plan = _call_plans.get(key)
+    a = _prepare(args, pb)
+    if plan is None:
+        plan, out = _new_call_plan(pb, a)
+        # a plan built from one tensor given as two inputs would bind both from one name
+        given = [id(x) for x in args.values() if x is not None]
+        if len(set(given)) == len(given):
+            if len(_call_plans) >= MAX_CALL_PLANS:
+                _call_plans.clear()
+            _call_plans[key] = plan
+    else:
+        out = _outputs(pb, plan.meta, plan.fp32_scratch)
+    plan.launch(dict(a, **out))
+    sums = out["parts"].sum(3).unbind(0)
+    return (out["states"], out["qk_dot"], sums[0], sums[-1] if pb.has_z else None,
+            out["dz"] if pb.has_z else None)
+
+
+def _run_stage0(pb: Problem, args: dict):
+    """The stage-0 baseline: three kernels, outputs allocated per call."""
     check_tile_rows(pb.C, pb.R)
     m = _meta(pb)
     a = _prepare(args, pb)
@@ -353,36 +488,9 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
         states=torch.empty(B, H, m["nc"], pb.N, P, device=dev, dtype=odt),
         qk_dot=torch.empty(B, H, pb.S, R, R, device=dev, dtype=odt),
         dz=torch.empty(B, pb.S, H, P, device=dev, dtype=odt) if pb.has_z else a["d"],
-    )
-    if impl == "stage0":
-        out["dmimo_o"] = torch.empty(B, H, R, P, device=dev, dtype=torch.float32)
-        out["dmimo_z"] = (torch.empty(B, H, R, P, device=dev, dtype=torch.float32)
-                          if pb.has_z else out["dmimo_o"])
-        stage0.launch(a, out, m)
-        dmimo_o, dmimo_z = out["dmimo_o"], out["dmimo_z"]
-    else:
-        # fp32 outputs: the states are their own scratch. Otherwise an fp32 tensor of their
-        # shape, except where the scan runs and chunk_output reads the rounded states: then
-        # nothing reads or writes it (268 MB at N128_P64_R4_C16, B = 4) and the placeholder
-        # stands in. The configs are chosen with the stand-in, whose type and alignment are the
-        # scratch's, so that the probes compile the kernels that run.
-        out["inc"] = out["states"] if odt == torch.float32 else placeholder(dev)
-        step_terms.launch(a, out, m)
-        s_cfg = _choose(chunk_state.launch, _state_candidates, a, out, m, pb)
-        probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
-        o_cfg = _choose(chunk_output.launch, _output_candidates, a, probe, m, pb)
-        if odt != torch.float32 and not (s_cfg["SCAN"] and m["OUT_STATES"]):
-            out["inc"] = torch.empty(out["states"].shape, device=dev, dtype=torch.float32)
-        chunk_state.launch(a, out, m, s_cfg)
-        # the partial sums of dmimo_o and dmimo_z as views of one allocation, reduced by one
-        # sum: on the small shapes the host's time per call, not the GPU's, decides (step 39)
-        tiles = cdiv(m["nc"], m["U"])
-        n_sums, block = (2 if pb.has_z else 1), aligned_numel(B * H * tiles * R * P)
-        parts = torch.empty(n_sums * block, device=dev, dtype=torch.float32).as_strided(
-            (n_sums, B, H, tiles, R, P), (block, H * tiles * R * P, tiles * R * P, R * P, P, 1))
-        out["part_o"], out["part_z"] = parts[0], parts[n_sums - 1]
-        chunk_output.launch(a, out, m, o_cfg)
-        sums = parts.sum(3)
-        dmimo_o, dmimo_z = sums[0], sums[1] if pb.has_z else None
-    return (out["states"], out["qk_dot"], dmimo_o, dmimo_z if pb.has_z else None,
+        dmimo_o=torch.empty(B, H, R, P, device=dev, dtype=torch.float32))
+    out["dmimo_z"] = (torch.empty(B, H, R, P, device=dev, dtype=torch.float32)
+                      if pb.has_z else out["dmimo_o"])
+    stage0.launch(a, out, m)
+    return (out["states"], out["qk_dot"], out["dmimo_o"], out["dmimo_z"] if pb.has_z else None,
             out["dz"] if pb.has_z else None)

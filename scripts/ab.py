@@ -58,8 +58,8 @@ def apply(variant: dict) -> None:
     # which keys the dispatcher's config cache
     for key, module in (("state_meta", chunk_state), ("output_meta", chunk_output)):
         if key in variant:
-            module.launch = functools.wraps(module.launch)(
-                lambda a, out, m, *rest, _orig=module.launch, _over=variant[key], **kw:
+            module.launches = functools.wraps(module.launches)(
+                lambda a, out, m, *rest, _orig=module.launches, _over=variant[key], **kw:
                 _orig(a, out, _override(m, _over, variant["name"]), *rest, **kw))
     def first(cfg: dict, over: dict, low: dict) -> dict:
         cfg = dict(cfg, **over)

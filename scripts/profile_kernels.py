@@ -10,7 +10,16 @@ import triton
 from mamba3_mimo import api, dispatch
 from mamba3_mimo.__main__ import rel_err
 from mamba3_mimo.inputs import official_shapes, make_inputs
-from mamba3_mimo.kernels import chunk_output, chunk_state, step_terms
+from mamba3_mimo.kernels import chunk_output, chunk_state, launcher, step_terms
+
+
+def go(launches: list):
+    """Launch a kernel family's launches; the last compiled kernel."""
+    k = None
+    for fn, grid, args, options in launches:
+        if 0 not in grid:
+            k = launcher.launch_kernel(fn, grid, args, **options)
+    return k
 
 
 def bench(fn):
@@ -45,20 +54,21 @@ def main():
                    inc=torch.empty(s.B, s.H, m["nc"], s.N, s.P, device="cuda"),
                    part_o=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"),
                    part_z=torch.empty(s.B * s.H, m["nc"], s.R, s.P, device="cuda"))
-        step_terms.launch(p, out, m)
+        out.update(step_terms.tables(m, torch.device("cuda")))
+        go(step_terms.launches(p, out, m))
         ref = api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
         total = bench(lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"))
         print(s.name, "total", total, dispatch.select(pb).describe(), flush=True)
         for cfg in state_cfgs:
             try:
-                ms = bench(lambda: chunk_state.launch(p, out, m, cfg))
+                ms = bench(lambda: go(chunk_state.launches(p, out, m, cfg)))
             except Exception as e:  # noqa: BLE001 - report and go on
                 ms = repr(e)[:80]
             res.append(dict(shape=s.name, kernel="state", cfg=cfg, ms=ms))
             print(s.name, "state", cfg, ms, flush=True)
         for cfg in out_cfgs:
             try:
-                ms = bench(lambda: chunk_output.launch(p, out, m, cfg))
+                ms = bench(lambda: go(chunk_output.launches(p, out, m, cfg)))
                 # the config's outputs against the dispatcher's (needs out["inc"] = the fp32
                 # states, left there by the state configs above)
                 groups = triton.cdiv(m["nc"], m["U"])

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import mamba3_mimo  # noqa: E402
-from mamba3_mimo import api  # noqa: E402
+from mamba3_mimo import api, dispatch  # noqa: E402
 from mamba3_mimo.inputs import Shape, make_inputs  # noqa: E402
 from mamba3_mimo.reference import bwd_fwd_reference  # noqa: E402
 
@@ -207,21 +207,34 @@ def assert_outputs_equal(a, b, what: str = "") -> None:
 
 
 def record_launches(monkeypatch, forward: bool = True) -> list:
-    """Record (fn, grid, args, options) of each production launch (`launcher.launch_kernel` as
-    step_terms, chunk_state and chunk_output call it); forward=False records without launching,
-    which leaves the outputs unwritten."""
-    from mamba3_mimo.kernels import chunk_output, chunk_state, step_terms
+    """Record (fn, grid, args, options) of each production launch (every one goes through
+    `launcher.launch_kernel` or a call plan's `launcher.BoundLaunch`); forward=False records
+    without launching, which leaves the outputs unwritten."""
+    from mamba3_mimo.kernels import launcher
     log = []
+    launch, bound_launch = launcher.launch_kernel, launcher.BoundLaunch.__call__
 
-    def recorder(launch):
-        def record(fn, grid, args, **options):
-            log.append((fn, grid, args, options))
-            return launch(fn, grid, args, **options) if forward else None
-        return record
+    def record(fn, grid, args, **options):
+        log.append((fn, grid, args, options))
+        return launch(fn, grid, args, **options) if forward else None
 
-    for module in (step_terms, chunk_state, chunk_output):
-        monkeypatch.setattr(module, "launch_kernel", recorder(module.launch_kernel))
+    def record_bound(bound, args):
+        log.append((bound.fn, bound.grid, args, bound.options))
+        return bound_launch(bound, args) if forward else None
+
+    monkeypatch.setattr(launcher, "launch_kernel", record)
+    monkeypatch.setattr(launcher.BoundLaunch, "__call__", record_bound)
     return log
+
+
+@pytest.fixture(autouse=True)
+def fresh_dispatch_caches():
+    """Each test starts without cached configs and call plans: tests change what the dispatcher
+    picks (monkeypatched candidates, tile sizes, shared-memory limits), and a plan cached by an
+    earlier test for the same signature would skip those choices."""
+    dispatch.clear_caches()
+    yield
+    dispatch.clear_caches()
 
 
 # ---------------------------------------------------------------------------- summary hook

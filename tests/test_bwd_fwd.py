@@ -309,12 +309,12 @@ def test_state_forms(monkeypatch, shape, dtype, output_dtype):
         monkeypatch.setattr(dispatch, "_state_candidates",
                             lambda pb, m, scan=scan, BJ=BJ: [dict(split(pb, m)[-1], SCAN=scan,
                                                                   BJ=BJ, BP=64, num_warps=4)])
-        dispatch._config_cache.clear()
+        dispatch.clear_caches()
         outs = run_op(args, "chunked", output_dtype=output_dtype)
         check_outputs(outs, golden, bench, dtype, output_dtype)
         again = run_op(args, "chunked", output_dtype=output_dtype)
         assert all(torch.equal(x, y) for x, y in zip(outs, again) if x is not None), (scan, BJ)
-    dispatch._config_cache.clear()
+    dispatch.clear_caches()
 
 
 def test_state_form_rule():

@@ -15,7 +15,7 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 from conftest import DEVICE, op_args, record_launches, run_op
 from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
 from mamba3_mimo.kernels import launcher
-from mamba3_mimo.kernels.launcher import kept_kernel, launch_kernel, signature_key
+from mamba3_mimo.kernels.launcher import BoundLaunch, kept_kernel, launch_kernel, signature_key
 
 
 def _toy(x, y, n, m, flag, scale, BLOCK: tl.constexpr):  # its parameters only: never compiled
@@ -250,6 +250,74 @@ def test_interpreted_kernel_is_never_keyed(monkeypatch):
     monkeypatch.setattr(launcher, "_plans", {})
     interpreted = SimpleNamespace(arg_names=TOY.arg_names, pre_run_hooks=[])
     assert signature_key(interpreted, toy_args()) is None
+
+
+# ---------------------------------------------------------------------------- bound launches
+
+
+def test_bound_launch_keys_as_launch_kernel(fn):
+    """A BoundLaunch's key is launch_kernel's for every tensor binding (other tensors, another
+    alignment, another dtype), so the two share their kept kernels: after a bound launch,
+    launch_kernel of the same arguments is direct, and the other way round."""
+    bound = BoundLaunch(fn, (1,), toy_args(), dict(num_warps=4))
+    plan = launcher._plan(fn)
+    for x in (BUF[:32], BUF[128:160], BUF[1:33], BUF[64:96].to(torch.float16)):
+        args = toy_args(x=x)
+        assert bound.key(0, args) == launcher._key(plan, 0, args, dict(num_warps=4))
+    bound(toy_args())
+    launch_kernel(fn, (1,), toy_args(x=BUF[128:160]), num_warps=4)  # same signature
+    launch_kernel(fn, (1,), toy_args(x=BUF[1:33]), num_warps=4)  # misaligned: new
+    bound(toy_args(x=BUF[1:33]))
+    assert paths(fn) == ["triton", "direct", "triton", "direct"]
+    call = fn.log[1][1]
+    assert call[:9] == (1, 1, 1, STREAM, FUNCTION, PACKED, None, None, None)
+    def plain(args):
+        return [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args]
+
+    assert plain(call[9:]) == plain(toy_args(x=BUF[128:160]))
+
+
+def test_bound_launch_binds_its_tensors(fn):
+    """Each bound launch passes the tensors it is given, not those it was made with."""
+    bound = BoundLaunch(fn, (2, 3), toy_args(), {})
+    for x in (BUF[:32], BUF[128:160]):
+        bound(toy_args(x=x))
+    assert paths(fn) == ["triton", "direct"]
+    assert fn.log[0][1][0].data_ptr() == BUF[:32].data_ptr()  # Triton's launch: (args, ...)
+    call = fn.log[1][1]  # the direct launch: (grid, stream, ..., args)
+    assert call[:3] == (2, 3, 1) and call[9].data_ptr() == BUF[128:160].data_ptr()
+
+
+def test_bound_launch_follows_direct_hooks_and_interpreter(fn, monkeypatch):
+    """The switches of launch_kernel hold for bound launches: DIRECT off, a hook, the
+    interpreter each send every launch through fn[grid]."""
+    bound = BoundLaunch(fn, (1,), toy_args(), {})
+    bound(toy_args())
+    monkeypatch.setattr(launcher, "DIRECT", False)
+    bound(toy_args())
+    monkeypatch.setattr(launcher, "DIRECT", True)
+    HOOKS["launch_enter"](fn, monkeypatch)
+    bound(toy_args())
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", HookChain())
+    bound(toy_args())
+    assert paths(fn) == ["triton", "getitem", "getitem", "direct"]
+
+
+def test_bound_launch_of_unkeyed_arguments(fn):
+    """Arguments that launch_kernel does not key (an unhashable constexpr, a tuple) are not
+    keyed bound either: every launch is Triton's, none kept."""
+    for change in (dict(BLOCK=[64]), dict(m=(1, 2))):
+        bound = BoundLaunch(fn, (1,), toy_args(**change), {})
+        assert not bound.layout
+        for _ in range(2):
+            bound(toy_args(**change))
+    assert paths(fn) == ["triton"] * 4
+    assert not launcher._kept
+
+
+def test_bound_launch_checks_the_argument_count(fn):
+    with pytest.raises(AssertionError, match="6 arguments for 7 parameters"):
+        BoundLaunch(fn, (1,), toy_args()[:-1], {})
 
 
 # ---------------------------------------------------------------------------- against Triton

@@ -18,7 +18,7 @@ import triton.language as tl
 from . import cdiv, input_align
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
                      load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
-from .launcher import launch_kernel
+from .launcher import Launch
 from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 
@@ -119,11 +119,11 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
 
 
-def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
-    """Write qk_dot, dz and the dmimo partial sums, reading chunk_state's states (the `states`
-    output with meta["OUT_STATES"], else the fp32 copy in out["inc"]) and step_terms'
-    out["terms"], out["cos"], out["sin"]; cfg holds BJ, BP, num_warps, num_stages; meta["U"]
-    the chunks per tile, meta["TPO"] its padded steps.
+def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
+    """The one launch that writes qk_dot, dz and the dmimo partial sums, reading chunk_state's
+    states (the `states` output with meta["OUT_STATES"], else the fp32 copy in out["inc"]) and
+    step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ, BP, num_warps, num_stages,
+    maxnreg; meta["U"] the chunks per tile, meta["TPO"] its padded steps.
 
     out["part_o"], out["part_z"]: [B*H, n_tiles, R, P] fp32 scratch, n_tiles = cdiv(nc, U).
     """
@@ -144,8 +144,5 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
         gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
         m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
         m["OPAQUE"], BA)
-    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                   maxnreg=cfg["maxnreg"])
-    if warmup:
-        return chunk_output_kernel.warmup(*args, grid=grid, **options)
-    return launch_kernel(chunk_output_kernel, grid, args, **options)
+    return [Launch(chunk_output_kernel, grid, args, dict(
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"]))]

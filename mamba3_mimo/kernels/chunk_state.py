@@ -14,7 +14,7 @@ import triton.language as tl
 from . import cdiv, input_align
 from .common import (chunk_rows, dot, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_v_steps, psi_v_rows, rotate_pairs)
-from .launcher import launch_kernel
+from .launcher import Launch
 from .step_terms import K_DECAY
 
 
@@ -177,14 +177,16 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
 
 
-def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
-    """Write out["states"]; after it, out["inc"] (an fp32 tensor of the states' shape, or
-    out["states"] itself for fp32 outputs) holds the fp32 states of the chunks that start an
-    output tile, unless meta["OUT_STATES"] says that chunk_output reads out["states"] (with the
-    scan, out["inc"] may then be a one-element stand-in, never written).
+def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
+    """The launches that write out["states"]; after them, out["inc"] (an fp32 tensor of the
+    states' shape, or out["states"] itself for fp32 outputs) holds the fp32 states of the chunks
+    that start an output tile, unless meta["OUT_STATES"] says that chunk_output reads
+    out["states"] (with the scan, out["inc"] may then be a one-element stand-in, never written).
 
     cfg: SCAN picks the fused state_scan_kernel (BJ, BP, num_warps) over chunk_increment (BJ,
-    BP, num_warps) with state_passing (BLOCK), which use out["inc"] as their fp32 scratch.
+    BP, num_warps) with state_passing (BLOCK), which use out["inc"] as their fp32 scratch. The
+    first launch is the one whose resources decide the config; chunk_increment's grid is empty
+    for a single chunk.
     """
     m = meta
     B, H, N, P = m["B"], m["H"], m["N"], m["P"]
@@ -196,25 +198,14 @@ def launch(a: dict, out: dict, meta: dict, cfg: dict, warmup: bool = False):
     head = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"])
     dims = (m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb, ks[0] // BA, *ks[1:],
             vs[0] // BA, *vs[1:], m["R"], N, P, m["C"])
+    warps = dict(num_warps=cfg["num_warps"])
     if cfg["SCAN"]:
-        grid = (B * H, n_jb * cdiv(P, cfg["BP"]))
-        args = (*head, a["da_cs"], out["states"], out["inc"], *dims, m["U"], m["TP"], m["RP"],
-                half, m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA, keep_fp32)
-        if warmup:
-            return state_scan_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"],
-                                            num_stages=1)
-        launch_kernel(state_scan_kernel, grid, args, num_warps=cfg["num_warps"], num_stages=1)
-        return None
-    grid = (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"]))
-    args = (*head, out["inc"], *dims, m["TP"], m["RP"], half, m["RD"], cfg["BJ"], cfg["BP"],
-            m["PREC"], BA)
-    if warmup:
-        return chunk_increment_kernel.warmup(*args, grid=grid, num_warps=cfg["num_warps"])
-    if grid[1] > 0:
-        launch_kernel(chunk_increment_kernel, grid, args, num_warps=cfg["num_warps"])
-    pgrid = (B * H, cdiv(N * P, cfg["BLOCK"]))
-    launch_kernel(state_passing_kernel, pgrid,
-                  (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
-                   N * P, cfg["BLOCK"], keep_fp32),
-                  num_warps=4)
-    return None
+        return [Launch(state_scan_kernel, (B * H, n_jb * cdiv(P, cfg["BP"])), (
+            *head, a["da_cs"], out["states"], out["inc"], *dims, m["U"], m["TP"], m["RP"], half,
+            m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA, keep_fp32), dict(warps, num_stages=1))]
+    return [Launch(chunk_increment_kernel, (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"])),
+                   (*head, out["inc"], *dims, m["TP"], m["RP"], half, m["RD"], cfg["BJ"],
+                    cfg["BP"], m["PREC"], BA), warps),
+            Launch(state_passing_kernel, (B * H, cdiv(N * P, cfg["BLOCK"])),
+                   (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
+                    N * P, cfg["BLOCK"], keep_fp32), dict(num_warps=4))]

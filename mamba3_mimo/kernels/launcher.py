@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from itertools import repeat
 from operator import and_, attrgetter, itemgetter, not_
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -68,15 +68,25 @@ class _Layout:
         self.exact, self.tensors, self.dns = _getter(exact), _getter(tensors), _getter(dns)
 
     def values(self, args: tuple) -> tuple:
-        tensors = self.tensors(args)
+        (exact, dns), tensors = self.fixed(args), self.tensor_part(args)
+        return (exact,) + tensors + (dns,)
+
+    def fixed(self, args: tuple) -> tuple:
+        """The key of the arguments other than tensors: their values, and the integer class of
+        the do_not_specialize ints."""
         # native_specialize_impl types an int of a do_not_specialize parameter by its range
         # only; beyond u64 it raises, and the exact value then sends the launch to Triton
         dns = tuple(["i32" if -0x80000000 <= v <= 0x7FFFFFFF else
                      "i64" if -0x8000000000000000 <= v <= 0x7FFFFFFFFFFFFFFF else
                      "u64" if 0 <= v <= 0xFFFFFFFFFFFFFFFF else v for v in self.dns(args)])
-        # never the tensors themselves: the table would keep their memory alive
-        return (self.exact(args), tuple(map(_dtype, tensors)),
-                tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))), dns)
+        return self.exact(args), dns
+
+    def tensor_part(self, args: tuple) -> tuple:
+        """The key of the tensors: dtypes, and whether each address is 16-byte aligned (never
+        the tensors themselves: the table would keep their memory alive)."""
+        tensors = self.tensors(args)
+        return (tuple(map(_dtype, tensors)),
+                tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))))
 
 
 class _Plan:
@@ -118,6 +128,16 @@ class _Plan:
             else:
                 return False
         return _Layout(exact, tensors, dns)
+
+
+class Launch(NamedTuple):
+    """One launch of a production kernel, as its family's `launches` function describes it:
+    `launch_kernel(fn, grid, args, **options)` runs it, `fn.warmup(*args, grid=grid,
+    **options)` compiles it."""
+    fn: Any
+    grid: Tuple[int, ...]
+    args: tuple
+    options: dict
 
 
 _plans: Dict[int, _Plan] = {}
@@ -179,22 +199,62 @@ def launch_kernel(fn: Any, grid: Tuple[int, ...], args: tuple, **options: Any) -
     of each argument signature. `args` holds every parameter of fn in order, constexprs
     included; grid is a tuple of one to three ints; options are Triton's launch options
     (num_warps, num_stages, maxnreg...). Returns the compiled kernel, as fn[grid] does."""
+    return _launch(fn, grid, args, options, None)
+
+
+class BoundLaunch:
+    """launch_kernel(fn, grid, args, **options) for argument lists that differ from the one it
+    was made with in their tensors only, as a dispatcher's call plan binds each call's tensors
+    into otherwise fixed arguments: the key of every other argument is built once, and each
+    launch adds its tensors' dtypes and alignment. The key is launch_kernel's, so both find the
+    same kept kernels."""
+    __slots__ = ("fn", "grid", "options", "layout", "options_key", "fixed")
+
+    def __init__(self, fn: Any, grid: Tuple[int, ...], args: tuple, options: dict):
+        self.fn, self.grid, self.options = fn, grid, options
+        self.layout = _plan(fn).layout(tuple(map(type, args)))
+        if self.layout:
+            assert len(args) == len(fn.arg_names), (
+                f"{fn.__name__}: {len(args)} arguments for {len(fn.arg_names)} parameters")
+            self.options_key = tuple(sorted(options.items()))
+            self.fixed = self.layout.fixed(args)
+            try:
+                hash((self.options_key, self.fixed))
+            except TypeError:  # an unhashable constexpr: every launch keyed by Triton
+                self.layout = False
+
+    def __call__(self, args: tuple) -> Any:
+        return _launch(self.fn, self.grid, args, self.options, self)
+
+    def key(self, device: int, args: tuple) -> tuple:
+        """launch_kernel's key of these arguments (_key)."""
+        exact, dns = self.fixed
+        return ((self.layout, device, self.options_key, knobs.runtime.debug,
+                 knobs.compilation.instrumentation_mode, exact)
+                + self.layout.tensor_part(args) + (dns,))
+
+
+def _launch(fn: Any, grid: Tuple[int, ...], args: tuple, options: dict,
+            bound: Optional[BoundLaunch]) -> Any:
     if not DIRECT:
         return fn[grid](*args, **options)
     plan = _plan(fn)
     if plan.interpreted or _hooked(fn):
         return fn[grid](*args, **options)
-    # Triton's binder checks the count on its path; a direct launch would pass the arguments to
-    # the compiled launcher unchecked
-    assert len(args) == len(fn.arg_names), (
-        f"{fn.__name__}: {len(args)} arguments for {len(fn.arg_names)} parameters")
     device = driver.active.get_current_device()
-    stream = driver.active.get_current_stream(device)
-    try:
-        key = _key(plan, device, args, options)
-        kernel = None if key is None else _kept.get(key)
-    except TypeError:  # an unhashable constexpr
-        key = kernel = None
+    if bound is not None and bound.layout:
+        key = bound.key(device, args)  # hashable: checked when it was bound
+        kernel = _kept.get(key)
+    else:
+        # Triton's binder checks the count on its path; a direct launch would pass the
+        # arguments to the compiled launcher unchecked
+        assert len(args) == len(fn.arg_names), (
+            f"{fn.__name__}: {len(args)} arguments for {len(fn.arg_names)} parameters")
+        try:
+            key = _key(plan, device, args, options)
+            kernel = None if key is None else _kept.get(key)
+        except TypeError:  # an unhashable constexpr
+            key = kernel = None
     if kernel is None:
         kernel = fn.run(*args, grid=grid, warmup=False, **options)
         if hasattr(kernel, "result"):
@@ -206,8 +266,9 @@ def launch_kernel(fn: Any, grid: Tuple[int, ...], args: tuple, **options: Any) -
         return kernel
     n = len(grid)
     # as JITFunction.run launches, with no launch metadata and no hooks: _hooked() is False
-    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream,
-               kernel.function, kernel.packed_metadata, None, None, None, *args)
+    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+               driver.active.get_current_stream(device), kernel.function,
+               kernel.packed_metadata, None, None, None, *args)
     return kernel
 
 

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import aligned_numel, cdiv
 from .common import rotary_cos_sin, trap_terms
-from .launcher import launch_kernel
+from .launcher import Launch
 
 # planes of the `terms` scratch [6, B*H, S_pad]
 GAMMA = tl.constexpr(0)
@@ -70,20 +70,25 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     tl.store(sin + off, sn, mask=jm)
 
 
-def launch(a: dict, out: dict, meta: dict) -> None:
-    """Fill out["terms"] [N_PLANES, B*H, S_pad], out["cos"] and out["sin"] [B*H, S_pad, RD]
-    (fp32), for chunk_output tiles of meta["U"] chunks."""
+def tables(meta: dict, device: torch.device) -> dict:
+    """The kernel's outputs, allocated: "terms" [N_PLANES, B*H, S_pad], "cos" and "sin"
+    [B*H, S_pad, RD] (fp32), views of one allocation."""
     m = meta
     n_bh, S_pad, RD = m["B"] * m["H"], m["S_pad"], m["RD"]
-    # the three tables as views of one allocation
     n_terms, n_table = aligned_numel(N_PLANES * n_bh * S_pad), aligned_numel(n_bh * S_pad * RD)
-    buf = torch.empty(n_terms + 2 * n_table, device=a["dt"].device, dtype=torch.float32)
-    out["terms"] = buf.as_strided((N_PLANES, n_bh, S_pad), (n_bh * S_pad, S_pad, 1))
+    buf = torch.empty(n_terms + 2 * n_table, device=device, dtype=torch.float32)
     table = (n_bh, S_pad, RD), (S_pad * RD, RD, 1)
-    out["cos"] = buf.as_strided(*table, n_terms)
-    out["sin"] = buf.as_strided(*table, n_terms + n_table)
+    return dict(terms=buf.as_strided((N_PLANES, n_bh, S_pad), (n_bh * S_pad, S_pad, 1)),
+                cos=buf.as_strided(*table, n_terms), sin=buf.as_strided(*table, n_terms + n_table))
+
+
+def launches(a: dict, out: dict, meta: dict) -> list:
+    """Fill out["terms"], out["cos"] and out["sin"] (from `tables`) for chunk_output tiles of
+    meta["U"] chunks."""
+    m = meta
+    n_bh, S_pad = m["B"] * m["H"], m["S_pad"]
     BS = 32
-    launch_kernel(step_terms_kernel, (n_bh, cdiv(S_pad, BS)), (
+    return [Launch(step_terms_kernel, (n_bh, cdiv(S_pad, BS)), (
         a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
-        out["sin"], S_pad, n_bh, m["H"], m["nc"], m["C"], *a["angles"].stride(), RD, BS,
-        m["RDP"], m["U"]))
+        out["sin"], S_pad, n_bh, m["H"], m["nc"], m["C"], *a["angles"].stride(), m["RD"], BS,
+        m["RDP"], m["U"]), {})]

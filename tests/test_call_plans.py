@@ -1,0 +1,98 @@
+"""The dispatcher's call plans (dispatch._call_plans): a repeated call of one signature replays
+the launches of the first with its own tensors, and gives what a fresh plan gives."""
+import pytest
+import torch
+
+from conftest import DEVICE, assert_outputs_equal, check_outputs, problem, run_op
+from mamba3_mimo import dispatch
+from mamba3_mimo.inputs import Shape
+
+FP32 = torch.float32
+
+# plain chunks, a tail (pad_tail builds new inputs each call), chunks run as sub-chunks
+# (split_chunks), the fused scan, and without Z and D
+CASES = [(Shape(1, 32, 2, 1, 16, 16, 2, 16), True, True),
+         (Shape(2, 37, 4, 2, 16, 24, 2, 8), True, True),
+         (Shape(1, 48, 2, 1, 16, 16, 4, 48), True, True),
+         (Shape(1, 40, 2, 1, 64, 16, 2, 16), True, True),
+         (Shape(1, 40, 2, 1, 16, 16, 2, 16), False, False)]
+IDS = ["plain", "tail", "sub_chunks", "scan", "no_z_no_d"]
+
+
+@pytest.mark.parametrize("shape, z_gate, d_skip", CASES, ids=IDS)
+@pytest.mark.parametrize("output_dtype", [FP32, torch.bfloat16], ids=["out_fp32", "out_bf16"])
+def test_replayed_call_matches_a_fresh_plan(shape, z_gate, d_skip, output_dtype):
+    """A second call with other inputs of the same signature runs on the first call's plan (one
+    plan cached), matches its own golden, and equals bit for bit a call on a fresh plan."""
+    first, _, _ = problem(shape, FP32, z_gate, d_skip, seed=1)
+    second, golden, bench = problem(shape, FP32, z_gate, d_skip, seed=2)
+    run_op(first, output_dtype=output_dtype)
+    replayed = run_op(second, output_dtype=output_dtype)
+    assert len(dispatch._call_plans) == 1, "the second call did not reuse the first's plan"
+    check_outputs(replayed, golden, bench, FP32, output_dtype)
+    dispatch.clear_caches()
+    assert_outputs_equal(replayed, run_op(second, output_dtype=output_dtype), "replayed: ")
+
+
+def test_plan_per_layout():
+    """Inputs of the same shapes in another layout (v and dout head-major) get their own plan,
+    and both layouts stay right whichever ran first."""
+    shape = CASES[0][0]
+    args, golden, bench = problem(shape, FP32, True, True)
+    moved = dict(args)
+    for name in ("v", "dout"):
+        moved[name] = args[name].transpose(1, 2).contiguous().transpose(1, 2)
+    assert moved["v"].stride() != args["v"].stride()
+    for a in (args, moved, args, moved):
+        check_outputs(run_op(a), golden, bench, FP32)
+    assert len(dispatch._call_plans) == 2
+
+
+def test_one_tensor_given_twice():
+    """A plan is not cached from a call that passes one tensor as two inputs (k is q): it would
+    bind both from one name. Calls with and without the alias, in either order, stay right."""
+    shape = CASES[0][0]
+    args, _, _ = problem(shape, FP32, True, True)
+    aliased = dict(args, k=args["q"])
+    a_golden, a_bench = _references(aliased)
+    check_outputs(run_op(aliased), a_golden, a_bench, FP32)
+    assert len(dispatch._call_plans) == 0
+    args, golden, bench = problem(shape, FP32, True, True)
+    check_outputs(run_op(args), golden, bench, FP32)
+    assert len(dispatch._call_plans) == 1
+    check_outputs(run_op(aliased), a_golden, a_bench, FP32)  # on the plan of distinct inputs
+
+
+def _references(args: dict):
+    from mamba3_mimo.reference import bwd_fwd_reference
+    return (bwd_fwd_reference(**args, dtype=torch.float64),
+            bwd_fwd_reference(**args, dtype=torch.float32))
+
+
+def test_plans_hold_no_tensors_of_a_call():
+    """A cached plan keeps no input or output of a call alive: its launches' tensor arguments
+    are names, except the kept placeholder."""
+    shape = CASES[1][0]
+    args, _, _ = problem(shape, FP32, True, True)
+    run_op(args, output_dtype=torch.bfloat16)
+    (plan,) = dispatch._call_plans.values()
+    assert plan.launches, "a plan without launches"
+    kept = dispatch.placeholder(torch.device(DEVICE))
+    for bound, template, slots in plan.launches:
+        name = bound.fn.__name__
+        held = [x for x in template if isinstance(x, torch.Tensor) and x is not kept]
+        assert not held, f"{name} holds {len(held)} tensors"
+        assert slots and all(template[i] is None for i, _ in slots), name
+        bound_held = [x for x in bound.fixed[0] if isinstance(x, torch.Tensor)] if bound.layout \
+            else []
+        assert not bound_held, f"{name}'s key holds a tensor"
+
+
+def test_cache_is_bounded(monkeypatch):
+    """Past MAX_CALL_PLANS signatures the cache starts afresh, and every call stays right."""
+    monkeypatch.setattr(dispatch, "MAX_CALL_PLANS", 2)
+    for S in (16, 32, 48):
+        shape = Shape(1, S, 2, 1, 16, 16, 2, 16)
+        args, golden, bench = problem(shape, FP32, True, True)
+        check_outputs(run_op(args), golden, bench, FP32)
+        assert 1 <= len(dispatch._call_plans) <= 2
