@@ -95,6 +95,31 @@ def _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_c
                             output_dtype=output_dtype, device=dev)
 
 
+_ARG_NAMES = ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "mimo_o", "angles", "da_cs",
+              "da_cs_rev", "dt", "trap", "segsum", "mimo_z", "d", "z")
+
+
+def _signature(tensors: tuple, chunk_size, rotary_dim_divisor, output_dtype,
+               impl) -> Optional[tuple]:
+    """What `_validate`'s outcome and the dispatcher's plan depend on: each tensor's shape,
+    strides, dtype and device (None for an absent one), and the other arguments. None for a
+    call the cache does not take (a non-tensor where a tensor belongs, non-int sizes, stage 0):
+    it goes the checked way and raises there if it is wrong."""
+    if (type(chunk_size) is not int or type(rotary_dim_divisor) is not int
+            or type(impl) is not str or impl not in ("auto", "chunked")
+            or not any(output_dtype is t for t in _OUTPUT_DTYPES)):  # dtypes are singletons
+        return None
+    sig = []
+    for x in tensors:
+        if x is None:
+            sig.append(None)
+        elif isinstance(x, Tensor):
+            sig.append((x.shape, x.stride(), x.dtype, x.device))
+        else:
+            return None
+    return (chunk_size, rotary_dim_divisor, output_dtype, impl, tuple(sig))
+
+
 def _pad_seq(x: Tensor, dim: int, n: int) -> Tensor:
     """Append n zeros along dim."""
     shape = list(x.shape)
@@ -174,17 +199,25 @@ def bwd_fwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor, k_bia
             rotary_dim_divisor: int = 4, output_dtype: torch.dtype = torch.float32,
             impl: str = "auto"):
     """`mamba3_mimo_bwd_fwd` with a choice of implementation: "auto", "stage0" or "chunked"."""
+    tensors = (dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap,
+               segsum, mimo_z, d, z)
+    signature = _signature(tensors, chunk_size, rotary_dim_divisor, output_dtype, impl)
+    cached = None if signature is None else dispatch.cached_call(signature)
+    if cached is not None:
+        problem, plan = cached
+        dispatch.check_device(problem.device)
+        return dispatch.run_cached(problem, plan, dict(zip(_ARG_NAMES, tensors)))
     problem = _validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev,
                         dt, trap, segsum, mimo_z, d, z, chunk_size, rotary_dim_divisor,
                         output_dtype)
     dispatch.check_device(problem.device)
-    args = dict(dout=dout, q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
-                mimo_o=mimo_o, angles=angles, da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap,
-                segsum=segsum, mimo_z=mimo_z, d=d, z=z)
-    args = pad_tail(args, chunk_size)
+    args = dict(zip(_ARG_NAMES, tensors))
+    padded = pad_tail(args, chunk_size)
     sub = dispatch.kernel_chunk_size(chunk_size, problem.R)
     if sub == chunk_size:
-        return dispatch.run(problem, args, impl)
+        # a call that runs on its own tensors (no tail to pad) can skip the checks next time
+        return dispatch.run(problem, padded, impl, signature if padded is args else None)
+    args = padded
     # chunks beyond the kernels' tiles run as sub-chunks; `states` keeps the model's chunks
     outs = dispatch.run(dataclasses.replace(problem, C=sub),
                         split_chunks(args, chunk_size, sub, problem.S), impl)

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -27,6 +27,7 @@ from .kernels import (aligned_numel, cdiv, chunk_output, chunk_state, launcher, 
 IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
 _config_cache: Dict[tuple, dict] = {}
+_capable: set = set()  # CUDA devices that check_device passed
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,13 @@ def check_device(device: torch.device) -> None:
         raise NotImplementedError(f"device {device} is not supported; expected cuda (sm_80+)")
     if interpreter_active():
         raise NotImplementedError("TRITON_INTERPRET=1 is set: the interpreter runs CPU tensors only")
+    if device in _capable:  # the capability query costs the host microseconds per call
+        return
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         raise NotImplementedError(
             f"device {device} has compute capability {major}.{minor}; expected sm_80 or newer")
+    _capable.add(device)
 
 
 @contextlib.contextmanager
@@ -343,11 +347,16 @@ def kernel_chunk_size(C: int, R: int) -> int:
 
 
 # A chunked call's plan, cached per signature (the Problem, with B and S, and the strides of the
-# given tensors): the constants, the configs and each launch's arguments with its tensors left
-# open. A repeated call then only allocates its outputs and binds its tensors; on the small
-# shapes the host's time per call, not the GPU's, decides (docs/optimisation.md, step 42).
+# given tensors): the constants, the configs, the outputs' layout and each launch's arguments
+# with its tensors left open. A repeated call then only allocates its outputs and binds its
+# tensors; on the small shapes the host's time per call, not the GPU's, decides
+# (docs/optimisation.md, steps 42-43). The public entry keeps a second map from its own call
+# signature (every tensor's shape, strides, dtype and device, and the other arguments) to the
+# validated Problem and the plan, so that a repeated call skips the checks as well: they depend
+# on that signature alone.
 MAX_CALL_PLANS = 1024
 _call_plans: Dict[tuple, "_CallPlan"] = {}
+_entry_calls: Dict[tuple, Tuple[Problem, "_CallPlan"]] = {}
 
 
 def clear_caches() -> None:
@@ -355,62 +364,93 @@ def clear_caches() -> None:
     picks, such as a shared-memory limit or, in tests, its candidates)."""
     _config_cache.clear()
     _call_plans.clear()
+    _entry_calls.clear()
+    _capable.clear()
+
+
+def cached_call(signature: tuple) -> Optional[Tuple[Problem, "_CallPlan"]]:
+    """The Problem and call plan that `run` stored for this public-entry call signature."""
+    return _entry_calls.get(signature)
+
+
+class _OutputLayout(NamedTuple):
+    """A call's outputs and scratch as shapes: `_allocate` makes them."""
+    states: tuple
+    qk_dot: tuple
+    dz: Optional[tuple]  # None without Z (the placeholder stands in)
+    inc: str  # "states" (fp32 outputs), "fp32" (its own fp32 copy) or "none" (the placeholder)
+    dtype: torch.dtype
+    scratch: int  # elements of the one fp32 scratch buffer
+    views: tuple  # (name, size, stride, offset) into the scratch
+
+
+def _output_layout(pb: Problem, m: dict, fp32_scratch: bool) -> _OutputLayout:
+    B, H, R, P = pb.B, pb.H, pb.R, pb.P
+    numel, views = step_terms.table_views(m)
+    # the partial sums of dmimo_o and dmimo_z follow step_terms' tables in the scratch, as
+    # views of one [n_sums, ...] block that one sum reduces (step 39)
+    tiles = cdiv(m["nc"], m["U"])
+    n_sums, block = (2 if pb.has_z else 1), aligned_numel(B * H * tiles * R * P)
+    part = (B, H, tiles, R, P), (H * tiles * R * P, tiles * R * P, R * P, P, 1)
+    views += [("parts", (n_sums,) + part[0], (block,) + part[1], numel),
+              ("part_o", *part, numel), ("part_z", *part, numel + (n_sums - 1) * block)]
+    odt = pb.output_dtype
+    return _OutputLayout(
+        states=(B, H, m["nc"], pb.N, P), qk_dot=(B, H, pb.S, R, R),
+        dz=(B, pb.S, H, P) if pb.has_z else None,
+        inc="states" if odt == torch.float32 else "fp32" if fp32_scratch else "none",
+        dtype=odt, scratch=numel + n_sums * block, views=tuple(views))
+
+
+def _allocate(layout: _OutputLayout, dev: torch.device) -> dict:
+    """A call's outputs and scratch, by name: states, qk_dot, dz (the placeholder without Z),
+    inc (the states themselves for fp32 outputs, an fp32 copy, or the placeholder), step_terms'
+    tables, and the dmimo partial sums ("parts", with the views part_o and part_z)."""
+    L = layout
+    states = torch.empty(L.states, device=dev, dtype=L.dtype)
+    out = dict(states=states, qk_dot=torch.empty(L.qk_dot, device=dev, dtype=L.dtype),
+               dz=placeholder(dev) if L.dz is None else torch.empty(L.dz, device=dev,
+                                                                      dtype=L.dtype),
+               inc=states if L.inc == "states" else placeholder(dev) if L.inc == "none"
+               else torch.empty(L.states, device=dev, dtype=torch.float32))
+    buf = torch.empty(L.scratch, device=dev, dtype=torch.float32)
+    for name, size, stride, offset in L.views:
+        out[name] = buf.as_strided(size, stride, offset)
+    return out
 
 
 @dataclass(frozen=True)
 class _CallPlan:
-    """What `run` launches for one signature. Each launch is (bound, args, slots):
-    `launcher.BoundLaunch` of the kernel, grid and options, the arguments with None at the
-    tensors, and slots ((position, name), ...) naming the input or output each tensor is bound
-    from at every call."""
+    """What `run` launches for one signature: `group`, the launcher.BoundGroup of the kernels
+    with their grids, options and fixed arguments; per launch (args, slots), the arguments with
+    None at the tensors and slots ((position, name), ...) naming the input or output each tensor
+    is bound from at every call; `names`, every name bound."""
     meta: dict
-    fp32_scratch: bool  # chunk_state's fp32 copy of the states is allocated
+    outputs: _OutputLayout
+    group: launcher.BoundGroup
     launches: tuple
+    names: tuple
 
     def launch(self, env: dict) -> None:
         """Launch every kernel with the tensors of env (the inputs and outputs by name)."""
-        for bound, template, slots in self.launches:
+        arg_lists = []
+        for template, slots in self.launches:
             args = list(template)
             for i, name in slots:
                 args[i] = env[name]
-            bound(tuple(args))
-
-
-def _outputs(pb: Problem, m: dict, fp32_scratch: bool) -> dict:
-    """A call's outputs and scratch, by name: states, qk_dot, dz (the placeholder without Z),
-    inc (the states themselves for fp32 outputs, an fp32 copy with fp32_scratch, else the
-    placeholder), step_terms' tables, and the dmimo partial sums ("parts", with the views
-    part_o and part_z)."""
-    dev, odt = pb.device, pb.output_dtype
-    B, H, R, P = pb.B, pb.H, pb.R, pb.P
-    states = torch.empty(B, H, m["nc"], pb.N, P, device=dev, dtype=odt)
-    out = dict(states=states, qk_dot=torch.empty(B, H, pb.S, R, R, device=dev, dtype=odt),
-               dz=torch.empty(B, pb.S, H, P, device=dev, dtype=odt) if pb.has_z
-               else placeholder(dev),
-               inc=states if odt == torch.float32 else
-               torch.empty(states.shape, device=dev, dtype=torch.float32) if fp32_scratch
-               else placeholder(dev),
-               **step_terms.tables(m, dev))
-    # the partial sums of dmimo_o and dmimo_z as views of one allocation, reduced by one sum
-    # (step 39)
-    tiles = cdiv(m["nc"], m["U"])
-    n_sums, block = (2 if pb.has_z else 1), aligned_numel(B * H * tiles * R * P)
-    out["parts"] = torch.empty(n_sums * block, device=dev, dtype=torch.float32).as_strided(
-        (n_sums, B, H, tiles, R, P), (block, H * tiles * R * P, tiles * R * P, R * P, P, 1))
-    parts = out["parts"].unbind(0)
-    out["part_o"], out["part_z"] = parts[0], parts[-1]
-    return out
+            arg_lists.append(tuple(args))
+        self.group(arg_lists, [env[name] for name in self.names])
 
 
 def _templates(launches: list, env: dict, constant: torch.Tensor) -> tuple:
-    """The launches with every tensor argument but `constant` (the kept placeholder) replaced by
-    the name it has in env; launches with an empty grid (chunk_increment for a single chunk)
-    left out, since they launch nothing."""
+    """(group, launches, names) of a _CallPlan: the launches with every tensor argument but
+    `constant` (the kept placeholder) replaced by the name it has in env; launches with an empty
+    grid (chunk_increment for a single chunk) left out, since they launch nothing."""
     names: Dict[int, str] = {}
     for name, x in env.items():
         if isinstance(x, torch.Tensor):
             names.setdefault(id(x), name)
-    plans = []
+    bounds, plans, bound_names = [], [], {}
     for fn, grid, args, options in launches:
         if 0 in grid:
             continue
@@ -422,9 +462,10 @@ def _templates(launches: list, env: dict, constant: torch.Tensor) -> tuple:
                                          "neither an input nor an output of the call")
                 template[i] = None
                 slots.append((i, names[id(x)]))
-        plans.append((launcher.BoundLaunch(fn, grid, args, options), tuple(template),
-                      tuple(slots)))
-    return tuple(plans)
+                bound_names[names[id(x)]] = None
+        bounds.append(launcher.BoundLaunch(fn, grid, args, options))
+        plans.append((tuple(template), tuple(slots)))
+    return launcher.BoundGroup(tuple(bounds)), tuple(plans), tuple(bound_names)
 
 
 def _new_call_plan(pb: Problem, a: dict) -> Tuple["_CallPlan", dict]:
@@ -433,7 +474,7 @@ def _new_call_plan(pb: Problem, a: dict) -> Tuple["_CallPlan", dict]:
     m = _meta(pb)
     # the configs are chosen with the stand-in for the fp32 scratch, whose type and alignment are
     # the scratch's, so that the probes compile the kernels that run
-    out = _outputs(pb, m, fp32_scratch=False)
+    out = _allocate(_output_layout(pb, m, fp32_scratch=False), pb.device)
     s_cfg = _choose(chunk_state.launches, _state_candidates, a, out, m, pb)
     probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
     o_cfg = _choose(chunk_output.launches, _output_candidates, a, probe, m, pb)
@@ -446,11 +487,14 @@ def _new_call_plan(pb: Problem, a: dict) -> Tuple["_CallPlan", dict]:
     launches = (step_terms.launches(a, out, m) + chunk_state.launches(a, out, m, s_cfg)
                 + chunk_output.launches(a, out, m, o_cfg))
     env = dict(a, **out)
-    return _CallPlan(m, fp32_scratch, _templates(launches, env, placeholder(pb.device))), out
+    layout = _output_layout(pb, m, fp32_scratch)
+    return _CallPlan(m, layout, *_templates(launches, env, placeholder(pb.device))), out
 
 
-def run(pb: Problem, args: dict, impl: str = "auto"):
-    """Allocate the outputs and run the chosen implementation on padded inputs `args`."""
+def run(pb: Problem, args: dict, impl: str = "auto", signature: Optional[tuple] = None):
+    """Allocate the outputs and run the chosen implementation on padded inputs `args`. A
+    chunked call's plan is cached, and with it this call's public-entry `signature` when given
+    (`cached_call`, `run_cached`)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "stage0":
@@ -461,16 +505,30 @@ def run(pb: Problem, args: dict, impl: str = "auto"):
     key = (pb, tuple([None if x is None else x.stride() for x in args.values()]))
     plan = _call_plans.get(key)
     a = _prepare(args, pb)
-    if plan is None:
-        plan, out = _new_call_plan(pb, a)
-        # a plan built from one tensor given as two inputs would bind both from one name
-        given = [id(x) for x in args.values() if x is not None]
-        if len(set(given)) == len(given):
-            if len(_call_plans) >= MAX_CALL_PLANS:
-                _call_plans.clear()
-            _call_plans[key] = plan
-    else:
-        out = _outputs(pb, plan.meta, plan.fp32_scratch)
+    if plan is not None:
+        return _execute(pb, plan, a)
+    plan, out = _new_call_plan(pb, a)
+    # a plan built from one tensor given as two inputs would bind both from one name
+    given = [id(x) for x in args.values() if x is not None]
+    if len(set(given)) == len(given):
+        if len(_call_plans) >= MAX_CALL_PLANS:
+            _call_plans.clear()
+            _entry_calls.clear()
+        _call_plans[key] = plan
+        if signature is not None:
+            _entry_calls[signature] = (pb, plan)
+    return _execute(pb, plan, a, out)
+
+
+def run_cached(pb: Problem, plan: "_CallPlan", args: dict):
+    """`run` of a call whose Problem and plan `cached_call` gave."""
+    return _execute(pb, plan, _prepare(args, pb))
+
+
+def _execute(pb: Problem, plan: "_CallPlan", a: dict, out: Optional[dict] = None):
+    """Run plan on prepared inputs a, into out (allocated from the plan when None)."""
+    if out is None:
+        out = _allocate(plan.outputs, pb.device)
     plan.launch(dict(a, **out))
     sums = out["parts"].sum(3).unbind(0)
     return (out["states"], out["qk_dot"], sums[0], sums[-1] if pb.has_z else None,

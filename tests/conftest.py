@@ -208,7 +208,8 @@ def assert_outputs_equal(a, b, what: str = "") -> None:
 
 def record_launches(monkeypatch, forward: bool = True) -> list:
     """Record (fn, grid, args, options) of each production launch (every one goes through
-    `launcher.launch_kernel` or a call plan's `launcher.BoundLaunch`); forward=False records
+    `launcher.launch_kernel` or a call plan's `launcher.BoundLaunch`, which its
+    `launcher.BoundGroup` is made to call every time); forward=False records
     without launching, which leaves the outputs unwritten."""
     from mamba3_mimo.kernels import launcher
     log = []
@@ -222,8 +223,13 @@ def record_launches(monkeypatch, forward: bool = True) -> list:
         log.append((bound.fn, bound.grid, args, bound.options))
         return bound_launch(bound, args) if forward else None
 
+    def record_group(group, arg_lists, tensors):
+        for bound, args in zip(group.bounds, arg_lists):
+            bound(args)
+
     monkeypatch.setattr(launcher, "launch_kernel", record)
     monkeypatch.setattr(launcher.BoundLaunch, "__call__", record_bound)
+    monkeypatch.setattr(launcher.BoundGroup, "__call__", record_group)
     return log
 
 

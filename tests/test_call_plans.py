@@ -78,7 +78,8 @@ def test_plans_hold_no_tensors_of_a_call():
     (plan,) = dispatch._call_plans.values()
     assert plan.launches, "a plan without launches"
     kept = dispatch.placeholder(torch.device(DEVICE))
-    for bound, template, slots in plan.launches:
+    assert len(plan.group.bounds) == len(plan.launches)
+    for bound, (template, slots) in zip(plan.group.bounds, plan.launches):
         name = bound.fn.__name__
         held = [x for x in template if isinstance(x, torch.Tensor) and x is not kept]
         assert not held, f"{name} holds {len(held)} tensors"
@@ -96,3 +97,62 @@ def test_cache_is_bounded(monkeypatch):
         args, golden, bench = problem(shape, FP32, True, True)
         check_outputs(run_op(args), golden, bench, FP32)
         assert 1 <= len(dispatch._call_plans) <= 2
+
+
+# ---------------------------------------------------------------------------- entry signatures
+
+
+def test_repeated_call_skips_the_checks():
+    """A second call of one public-entry signature finds the validated Problem and the plan
+    (dispatch.cached_call) and equals bit for bit the same call made afresh."""
+    shape = CASES[0][0]
+    first, _, _ = problem(shape, FP32, True, True, seed=1)
+    second, golden, bench = problem(shape, FP32, True, True, seed=2)
+    run_op(first, output_dtype=torch.bfloat16)
+    assert len(dispatch._entry_calls) == 1
+    (pb, plan), = dispatch._entry_calls.values()
+    assert dispatch._call_plans[next(iter(dispatch._call_plans))] is plan
+    replayed = run_op(second, output_dtype=torch.bfloat16)
+    assert len(dispatch._entry_calls) == 1 and len(dispatch._call_plans) == 1
+    check_outputs(replayed, golden, bench, FP32, torch.bfloat16)
+    dispatch.clear_caches()
+    assert not dispatch._entry_calls
+    assert_outputs_equal(replayed, run_op(second, output_dtype=torch.bfloat16), "replayed: ")
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(mimo_v=lambda t: t.half()), TypeError, "mimo_v"),
+    (dict(angles=lambda t: t[:, :, :, :-1]), ValueError, "angles"),
+    (dict(k=lambda t: t.tolist()), TypeError, r"\bk\b"),
+    (dict(chunk_size=lambda c: True), TypeError, "chunk_size"),
+    (dict(output_dtype=lambda o: torch.int32), ValueError, "output_dtype"),
+], ids=["dtype", "shape", "not_a_tensor", "bool_chunk_size", "output_dtype"])
+def test_bad_call_after_a_cached_one_still_raises(bad, error, match):
+    """A cached signature never lets a wrong argument through: a call that differs from a cached
+    one in a checked property has another signature (or none) and is checked."""
+    shape = CASES[0][0]
+    args, _, _ = problem(shape, FP32, True, True)
+    good = dict(args, chunk_size=shape.C, output_dtype=FP32)
+    run_op(good)
+    run_op(good)
+    (name, change), = bad.items()
+    with pytest.raises(error, match=match):
+        run_op(dict(good, **{name: change(good[name])}))
+
+
+@pytest.mark.parametrize("case", ["tail", "sub_chunks", "aliased", "stage0"])
+def test_calls_not_remembered(case):
+    """Calls that do not run on their own tensors as given (a tail padded, chunks split), that
+    build no cached plan (one tensor given twice) or run stage 0 leave no entry signature, and
+    repeat right."""
+    shape = {"tail": CASES[1][0], "sub_chunks": CASES[2][0]}.get(case, CASES[0][0])
+    args, golden, bench = problem(shape, FP32, True, True)
+    impl = "dispatch"
+    if case == "aliased":
+        args = dict(args, k=args["q"])
+        golden, bench = _references(args)
+    elif case == "stage0":
+        impl = "stage0"
+    for _ in range(2):
+        check_outputs(run_op(args, impl), golden, bench, FP32)
+    assert not dispatch._entry_calls

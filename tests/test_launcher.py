@@ -320,6 +320,71 @@ def test_bound_launch_checks_the_argument_count(fn):
         BoundLaunch(fn, (1,), toy_args()[:-1], {})
 
 
+# ---------------------------------------------------------------------------- bound groups
+
+
+def group_of_two(fn) -> launcher.BoundGroup:
+    return launcher.BoundGroup((BoundLaunch(fn, (1,), toy_args(), {}),
+                                BoundLaunch(fn, (2, 3), toy_args(), dict(num_warps=8))))
+
+
+def run_group(group, x, y=BUF[64:96]):
+    group([toy_args(x=x, y=y), toy_args(x=y, y=x)], [x, y])
+
+
+def test_group_launches_its_kernels_directly(fn):
+    """After a group's first call (its bound launches, Triton's then), a call with other tensors
+    of the same dtypes and alignment launches each kept kernel directly with its own grid,
+    options-free, and with the tensors it is given."""
+    group = group_of_two(fn)
+    run_group(group, BUF[:32])
+    run_group(group, BUF[128:160])
+    assert paths(fn) == ["triton", "triton", "direct", "direct"]
+    first, second = fn.log[2][1], fn.log[3][1]
+    assert first[:9] == (1, 1, 1, STREAM, FUNCTION, PACKED, None, None, None)
+    assert second[:3] == (2, 3, 1)
+    assert first[9].data_ptr() == BUF[128:160].data_ptr() == second[10].data_ptr()
+    assert len(group.kernels) == 1
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "device", "debug"])
+def test_group_keys_what_selects_a_kernel(fn, monkeypatch, change):
+    """A misaligned tensor, another dtype, another current device or Triton's debug knob is a
+    new group key: the call goes through the bound launches (which key it themselves), and the
+    next such call is direct."""
+    group = group_of_two(fn)
+    run_group(group, BUF[:32])
+    x = BUF[:32]
+    if change == "misaligned":
+        x = BUF[1:33]
+    elif change == "dtype":
+        x = BUF[:32].to(torch.float16)
+    elif change == "device":
+        monkeypatch.setattr(FakeDriver, "get_current_device", staticmethod(lambda: 1))
+    else:
+        monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+    run_group(group, x)
+    run_group(group, x)
+    assert paths(fn) == ["triton"] * 4 + ["direct"] * 2
+    assert len(group.kernels) == 2
+
+
+def test_group_follows_direct_hooks_and_interpreter(fn, monkeypatch):
+    """DIRECT off, a hook or the interpreter send every launch of a group through fn[grid], as
+    for single launches."""
+    group = group_of_two(fn)
+    run_group(group, BUF[:32])
+    monkeypatch.setattr(launcher, "DIRECT", False)
+    run_group(group, BUF[:32])
+    monkeypatch.setattr(launcher, "DIRECT", True)
+    HOOKS["launch_enter"](fn, monkeypatch)
+    run_group(group, BUF[:32])
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", HookChain())
+    monkeypatch.setattr(launcher._plan(fn), "interpreted", True)
+    run_group(group, BUF[:32])
+    assert paths(fn) == ["triton"] * 2 + ["getitem"] * 6
+
+
 # ---------------------------------------------------------------------------- against Triton
 
 BF16 = torch.bfloat16

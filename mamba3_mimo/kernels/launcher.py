@@ -264,12 +264,52 @@ def _launch(fn: Any, grid: Tuple[int, ...], args: tuple, options: dict,
                 _kept.clear()
             _kept[key] = kernel
         return kernel
-    n = len(grid)
-    # as JITFunction.run launches, with no launch metadata and no hooks: _hooked() is False
-    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-               driver.active.get_current_stream(device), kernel.function,
-               kernel.packed_metadata, None, None, None, *args)
+    _run_kept(kernel, grid, driver.active.get_current_stream(device), args)
     return kernel
+
+
+def _run_kept(kernel: Any, grid: Tuple[int, ...], stream: int, args: tuple) -> None:
+    # as JITFunction.run launches, with no launch metadata and no hooks: _hooked() is False
+    n = len(grid)
+    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream,
+               kernel.function, kernel.packed_metadata, None, None, None, *args)
+
+
+class BoundGroup:
+    """BoundLaunches that always run together, in order, as one call plan's launches: the
+    compiled kernel of each is found once per (current device, Triton's global debug and
+    instrumentation knobs, dtypes and 16-byte alignment of the group's tensors) and then
+    launched directly, without a key per launch. `tensors` of a call must hold every tensor
+    argument of its launches that differs between calls (the plan binds them by name; a tensor
+    fixed in every argument list, such as a kept placeholder, may be left out)."""
+    __slots__ = ("bounds", "kernels")
+
+    def __init__(self, bounds: Tuple[BoundLaunch, ...]):
+        self.bounds = bounds
+        self.kernels: Dict[tuple, tuple] = {}
+
+    def __call__(self, arg_lists: list, tensors: list) -> None:
+        bounds = self.bounds
+        if (not DIRECT or any(_plan(b.fn).interpreted or not b.layout for b in bounds)
+                or any(_hooked(b.fn) for b in bounds)):
+            for b, args in zip(bounds, arg_lists):
+                b(args)
+            return
+        device = driver.active.get_current_device()
+        key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+               tuple(map(_dtype, tensors)),
+               tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))))
+        kernels = self.kernels.get(key)
+        if kernels is None:
+            kernels = tuple([b(args) for b, args in zip(bounds, arg_lists)])
+            if all(k is not None for k in kernels):
+                if len(self.kernels) >= MAX_KEPT:
+                    self.kernels.clear()
+                self.kernels[key] = kernels
+            return
+        stream = driver.active.get_current_stream(device)
+        for b, kernel, args in zip(bounds, kernels, arg_lists):
+            _run_kept(kernel, b.grid, stream, args)
 
 
 def kept_kernel(fn: Any, args: tuple, **options: Any) -> Any:

@@ -5,6 +5,8 @@ Inside a chunk tile these per-step values live in layouts that repeat them over 
 dimension, and Triton recomputes them there: on the H200 the in-kernel cos/sin took a third of
 both kernels' issue slots (docs/optimisation.md, step 7). Here each value is computed once.
 """
+from typing import Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -70,16 +72,24 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     tl.store(sin + off, sn, mask=jm)
 
 
-def tables(meta: dict, device: torch.device) -> dict:
-    """The kernel's outputs, allocated: "terms" [N_PLANES, B*H, S_pad], "cos" and "sin"
-    [B*H, S_pad, RD] (fp32), views of one allocation."""
+def table_views(meta: dict) -> Tuple[int, list]:
+    """Where the kernel's outputs lie in one fp32 buffer: its length in elements, and
+    (name, size, stride, offset) of "terms" [N_PLANES, B*H, S_pad] and "cos", "sin"
+    [B*H, S_pad, RD], each at a 16-byte aligned offset."""
     m = meta
     n_bh, S_pad, RD = m["B"] * m["H"], m["S_pad"], m["RD"]
     n_terms, n_table = aligned_numel(N_PLANES * n_bh * S_pad), aligned_numel(n_bh * S_pad * RD)
-    buf = torch.empty(n_terms + 2 * n_table, device=device, dtype=torch.float32)
     table = (n_bh, S_pad, RD), (S_pad * RD, RD, 1)
-    return dict(terms=buf.as_strided((N_PLANES, n_bh, S_pad), (n_bh * S_pad, S_pad, 1)),
-                cos=buf.as_strided(*table, n_terms), sin=buf.as_strided(*table, n_terms + n_table))
+    return n_terms + 2 * n_table, [
+        ("terms", (N_PLANES, n_bh, S_pad), (n_bh * S_pad, S_pad, 1), 0),
+        ("cos", *table, n_terms), ("sin", *table, n_terms + n_table)]
+
+
+def tables(meta: dict, device: torch.device) -> dict:
+    """The kernel's outputs (table_views), allocated as views of one fp32 buffer."""
+    numel, views = table_views(meta)
+    buf = torch.empty(numel, device=device, dtype=torch.float32)
+    return {name: buf.as_strided(size, stride, offset) for name, size, stride, offset in views}
 
 
 def launches(a: dict, out: dict, meta: dict) -> list:
