@@ -360,8 +360,9 @@ _entry_calls: Dict[tuple, Tuple[Problem, "_CallPlan"]] = {}
 
 
 def clear_caches() -> None:
-    """Forget the chosen configs and the call plans (after a change to what the dispatcher
-    picks, such as a shared-memory limit or, in tests, its candidates)."""
+    """Forget the chosen configs, the call plans, the entry signatures and the devices checked
+    (after a change to what the dispatcher picks, such as a shared-memory limit or, in tests,
+    its candidates)."""
     _config_cache.clear()
     _call_plans.clear()
     _entry_calls.clear()
@@ -385,6 +386,8 @@ class _OutputLayout(NamedTuple):
 
 
 def _output_layout(pb: Problem, m: dict, fp32_scratch: bool) -> _OutputLayout:
+    """The outputs and scratch of a chunked call of pb (fp32_scratch: the states get an fp32
+    copy)."""
     B, H, R, P = pb.B, pb.H, pb.R, pb.P
     numel, views = step_terms.table_views(m)
     # the partial sums of dmimo_o and dmimo_z follow step_terms' tables in the scratch, as
