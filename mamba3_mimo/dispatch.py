@@ -509,6 +509,7 @@ def run(pb: Problem, args: dict, impl: str = "auto", signature: Optional[tuple] 
     plan = _call_plans.get(key)
     a = _prepare(args, pb)
     if plan is not None:
+        _remember(signature, pb, plan)
         return _execute(pb, plan, a)
     plan, out = _new_call_plan(pb, a)
     # a plan built from one tensor given as two inputs would bind both from one name
@@ -518,9 +519,18 @@ def run(pb: Problem, args: dict, impl: str = "auto", signature: Optional[tuple] 
             _call_plans.clear()
             _entry_calls.clear()
         _call_plans[key] = plan
-        if signature is not None:
-            _entry_calls[signature] = (pb, plan)
+        _remember(signature, pb, plan)
     return _execute(pb, plan, a, out)
+
+
+def _remember(signature: Optional[tuple], pb: Problem, plan: "_CallPlan") -> None:
+    """Map a checked call's entry signature to its Problem and cached plan (several signatures
+    can share a plan: trap's dtype, for one, is not part of the plan's key)."""
+    if signature is None:
+        return
+    if len(_entry_calls) >= MAX_CALL_PLANS:
+        _entry_calls.clear()
+    _entry_calls[signature] = (pb, plan)
 
 
 def run_cached(pb: Problem, plan: "_CallPlan", args: dict):

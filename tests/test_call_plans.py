@@ -156,3 +156,15 @@ def test_calls_not_remembered(case):
     for _ in range(2):
         check_outputs(run_op(args, impl), golden, bench, FP32)
     assert not dispatch._entry_calls
+
+
+def test_signatures_sharing_a_plan():
+    """Two entry signatures that differ only where the plan's key does not look (trap in fp32 or
+    in the inputs' fp16) share one plan and are both remembered; each repeat matches its golden."""
+    shape = CASES[0][0]
+    for _ in range(2):
+        for trap_dtype in (torch.float32, torch.float16):
+            args, golden, bench = problem(shape, torch.float16, True, True,
+                                          trap_dtype=trap_dtype)
+            check_outputs(run_op(args), golden, bench, torch.float16)
+    assert len(dispatch._call_plans) == 1 and len(dispatch._entry_calls) == 2
