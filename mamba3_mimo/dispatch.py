@@ -428,7 +428,6 @@ class _CallPlan:
     with their grids, options and fixed arguments; per launch (args, slots), the arguments with
     None at the tensors and slots ((position, name), ...) naming the input or output each tensor
     is bound from at every call; `names`, every name bound."""
-    meta: dict
     outputs: _OutputLayout
     group: launcher.BoundGroup
     launches: tuple
@@ -491,7 +490,7 @@ def _new_call_plan(pb: Problem, a: dict) -> Tuple["_CallPlan", dict]:
                 + chunk_output.launches(a, out, m, o_cfg))
     env = dict(a, **out)
     layout = _output_layout(pb, m, fp32_scratch)
-    return _CallPlan(m, layout, *_templates(launches, env, placeholder(pb.device))), out
+    return _CallPlan(layout, *_templates(launches, env, placeholder(pb.device))), out
 
 
 def run(pb: Problem, args: dict, impl: str = "auto", signature: Optional[tuple] = None):

@@ -234,13 +234,16 @@ class BoundLaunch:
                 + self.layout.tensor_part(args) + (dns,))
 
 
+def _through_triton(fn: Any) -> bool:
+    """True when fn's launches must take Triton's path: DIRECT off, the interpreter, a hook."""
+    return not DIRECT or _plan(fn).interpreted or _hooked(fn)
+
+
 def _launch(fn: Any, grid: Tuple[int, ...], args: tuple, options: dict,
             bound: Optional[BoundLaunch]) -> Any:
-    if not DIRECT:
+    if _through_triton(fn):
         return fn[grid](*args, **options)
     plan = _plan(fn)
-    if plan.interpreted or _hooked(fn):
-        return fn[grid](*args, **options)
     device = driver.active.get_current_device()
     if bound is not None and bound.layout:
         key = bound.key(device, args)  # hashable: checked when it was bound
@@ -290,8 +293,7 @@ class BoundGroup:
 
     def __call__(self, arg_lists: list, tensors: list) -> None:
         bounds = self.bounds
-        if (not DIRECT or any(_plan(b.fn).interpreted or not b.layout for b in bounds)
-                or any(_hooked(b.fn) for b in bounds)):
+        if any(not b.layout or _through_triton(b.fn) for b in bounds):
             for b, args in zip(bounds, arg_lists):
                 b(args)
             return
