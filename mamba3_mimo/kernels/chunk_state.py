@@ -58,6 +58,14 @@ def _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv):
     return k1, k2, tl.trans(psi_v_rows(xv, mv))
 
 
+@triton.jit
+def _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC: tl.constexpr):
+    """A chunk's increment k_w^T psi_v as its two halves, transposed ([BP, BJ] each), from
+    _chunk_inputs (the scan's running state takes both at once)."""
+    k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
+    return dot(psi_t, k1 * w[:, None], PREC), dot(psi_t, k2 * w[:, None], PREC)
+
+
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
 def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
                            S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh,
@@ -150,17 +158,20 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
                                           BJ)
     # chunk 0's increment, and chunk 1's inputs: in the loop, chunk c + 1's increment is computed
     # after chunk c's state is stored, so that the running state's update never waits for a dot
-    k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
-    inc1 = dot(psi_t, k1 * w[:, None], PREC)
-    inc2 = dot(psi_t, k2 * w[:, None], PREC)
+    inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC)
     x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 1, C, t, r, rows, tt,
                                           nc > 2, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
                                           BJ)
+    # da_cs at the end of each chunk, one chunk ahead as well: loaded where it is used, this
+    # scalar held up every step of the chain (18 % of the scan's stall samples, step 44)
+    log_decay = tl.load(da_cs + row + C - 1)
     for c in range(0, nc - 1):
         nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c + 2, C, t, r,
                                                     rows, tt, c + 3 < nc, p, pm, sks, skr, skn,
                                                     svs, svp, j0, HALF, RD, BJ)
-        decay = tl.exp(tl.load(da_cs + row + c * C + C - 1))
+        # chunk c + 1's, within S_pad = nc * C since c + 2 <= nc
+        next_log_decay = tl.load(da_cs + row + (c + 2) * C - 1)
+        decay = tl.exp(log_decay)
         run1 = run1 * decay + inc1
         run2 = run2 * decay + inc2
         so = off + (c + 1) * N * P
@@ -171,10 +182,9 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
             tl.store(keep + so, run1, mask=m & tile_start)
             tl.store(keep + so + HALF * P, run2, mask=m & tile_start)
         # chunk c + 1's increment (zero past the last chunk that has one: its inputs are masked)
-        k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
-        inc1 = dot(psi_t, k1 * w[:, None], PREC)
-        inc2 = dot(psi_t, k2 * w[:, None], PREC)
+        inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC)
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
+        log_decay = next_log_decay
 
 
 def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
