@@ -161,7 +161,10 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
                 # loads 8 bytes wide, as wide as the fp32 cos/sin/bias tiles they are combined
                 # with (docs/optimisation.md, step 27; 8, as in step 13, made them disagree)
                 ALIGN=4,
-                OPAQUE=not interpret)  # common.opaque: inline assembly, GPU only
+                OPAQUE=not interpret,  # common.opaque: inline assembly, GPU only
+                # common.prefetch into L2 (inline assembly, GPU only); at R = 1 it measured
+                # 5 % slower (docs/optimisation.md, step 46)
+                PREFETCH=0 if interpret or R == 1 else 2)
 
 
 def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:

@@ -17,9 +17,10 @@ import triton.language as tl
 
 from . import cdiv, input_align
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
-                     load_rotated, opaque, store_qk_dot, store_rank_sums, tile_weights)
+                     load_rotated, opaque, prefetch, prefetch_steps, store_qk_dot,
+                     store_rank_sums, tile_weights)
 from .launcher import Launch
-from .step_terms import GAMMA, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
+from .step_terms import GAMMA, K_DECAY, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 
 @triton.jit
@@ -61,7 +62,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
-                        BA: tl.constexpr):
+                        BA: tl.constexpr, PREFETCH: tl.constexpr):
     """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps.
     sqb, skb, svb, sgb, sgh come divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -84,6 +85,19 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     qx, q_off = q + b * (sqb * BA) + g * sqg, tg * sqs + r * sqr
     kx, k_off = k + b * (skb * BA) + g * skg, tg * sks + r * skr
     vh = b * (svb * BA) + h * svh  # the (b, h) slice of v, dout and z
+    # The inputs of the weights, psi_v and the epilogue are read only after the dots: asked for
+    # now, their misses overlap the pair blocks' loads and dots (docs/optimisation.md, step 46).
+    ts_ok = tt < steps
+    seg = segsum + b * (sgb * BA) + h * (sgh * BA) + o * U * sgc
+    prefetch(seg, tt * C, ts_ok, PREFETCH)
+    for kind in tl.static_range(GAMMA, LOG_K + 1):
+        if kind != K_DECAY and (U > 1 or kind < LOG_Q):
+            prefetch(terms + kind * plane + row + t0, tt, ts_ok, PREFETCH)
+    p0 = pid_p * BP
+    prefetch_steps(v + vh, (t0 + tt) * svs, ts_ok, p0, svp, BP, PREFETCH)
+    prefetch_steps(dout + vh, (t0 + tt) * svs, ts_ok & (t0 + tt < S), p0, svp, BP, PREFETCH)
+    if HAS_Z:
+        prefetch_steps(z + vh, (t0 + tt) * svs, ts_ok & (t0 + tt < S), p0, svp, BP, PREFETCH)
     # Unrolled: the loads of every pair block are issued together, so the program waits for
     # memory about once instead of once per block (docs/optimisation.md, step 3).
     for j0 in tl.static_range(0, HALF, BJ):
@@ -93,14 +107,13 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                                     skn, P, BJ, j0 < RD, PREC, OPAQUE)
     store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r, rows & (tg < S) & (pid_p == 0),
                  R, RP, TP * RP, EXACT, True)
-    ts_ok = tt < steps
     gamma = tl.load(terms + GAMMA * plane + row + t0 + tt, mask=ts_ok, other=0.0)
     trap_scale = tl.load(terms + TRAP_SCALE * plane + row + t0 + tt, mask=ts_ok, other=0.0)
     log_q, log_k = 0.0, 0.0
     if U > 1:
         log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
         log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
-    w = tile_weights(segsum + b * (sgb * BA) + h * (sgh * BA) + o * U * sgc, log_q, log_k, tt,
+    w = tile_weights(seg, log_q, log_k, tt,
                      ts_ok, C, gamma, trap_scale, RP, U)
     psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, tt < steps,
                              mimo_v + h * R * P, R, p, pm, P, svp, RP)
@@ -143,6 +156,6 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
         qs[0] // BA, *qs[1:], ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], gs[0] // BA,
         gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
         m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"], BA)
+        m["OPAQUE"], BA, m["PREFETCH"])
     return [Launch(chunk_output_kernel, grid, args, dict(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"]))]

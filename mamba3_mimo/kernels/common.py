@@ -342,6 +342,31 @@ def opaque(x, ON: tl.constexpr):
 
 
 @triton.jit
+def prefetch(base, off, mask, LEVEL: tl.constexpr):
+    """Ask for the lines at base + off (where mask; elsewhere base's own line) to be brought
+    into L1 (LEVEL 1) or L2 (LEVEL 2) ahead of the load that reads them, so that a program's
+    later loads overlap its first dots; LEVEL 0 does nothing, as under the interpreter, which
+    has no inline assembly. A hint only: the values come from the loads."""
+    ptrs = base + tl.where(mask, off, 0)
+    if LEVEL == 1:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L1 [$1];", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    elif LEVEL == 2:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_steps(base, t_off, t_mask, p0, stride_p, BP: tl.constexpr, LEVEL: tl.constexpr):
+    """prefetch of the [steps, BP] block at base (t_off: the steps' offsets, t_mask which exist;
+    columns p0.. with stride_p): the first element of each 128-byte line of a contiguous row."""
+    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
+    NL: tl.constexpr = (BP + LINE - 1) // LINE
+    off = t_off[:, None] + (p0 + tl.arange(0, NL) * LINE)[None, :] * stride_p
+    prefetch(base, off, t_mask[:, None] & (tl.arange(0, NL) < NL)[None, :], LEVEL)
+
+
+@triton.jit
 def store_rank_sums(o_ptr, z_ptr, acc_o, acc_z, R, p, p_mask, P, RS: tl.constexpr,
                     HAS_Z: tl.constexpr):
     """Store [RS, BP] per-rank sums (rank on the rows) into the [R, P] blocks at o_ptr/z_ptr."""
