@@ -1,9 +1,11 @@
 """Shape dispatcher: picks the implementation and kernel configs for a bwd_fwd problem, and runs it.
 
 Rule: "auto" runs the production path, "chunked": step_terms_kernel (per-step terms and the
-rotary cos/sin table), chunk_increment_kernel (chunk-parallel state increments),
-state_passing_kernel (serial multiply-add over chunks) and chunk_output_kernel (chunk-parallel
-outputs). Configs depend only on model dimensions (N, P, R, C, dtypes, flags),
+rotary cos/sin table), then the states, from N = SCAN_MIN_N (64) up by state_scan_kernel (one
+fused serial scan), below it by chunk_increment_kernel (chunk-parallel state increments) and
+state_passing_kernel (serial multiply-add over chunks), then chunk_output_kernel
+(chunk-parallel outputs, its later inputs prefetched into L2 where R > 1). Configs depend only
+on model dimensions (N, P, R, C, dtypes, flags),
 never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
 configs, largest first; the first whose compiled kernel fits the device's shared memory per block
 (shared_memory_per_block_optin, or `smem_limit_override`) is used and cached. "stage0" is the

@@ -431,3 +431,16 @@ def test_host_integer_helpers():
         assert next_pow2(a) == triton.next_power_of_2(a)
         for b in (1, 2, 3, 16, 64, 512):
             assert cdiv(a, b) == triton.cdiv(a, b)
+
+
+def test_prefetch_policy():
+    """chunk_output's L2 prefetch is inline assembly: never under the interpreter, and on a
+    compiled build only where it measured faster (R > 1; optimisation.md, step 46)."""
+    from mamba3_mimo import dispatch
+    for R, interpret, want in ((4, False, 2), (2, False, 2), (1, False, 0), (4, True, 0)):
+        m = dispatch._model_meta.__wrapped__(2, 1, 16, 32, R, 16, 4, 1, BF16, BF16, True, True,
+                                             interpret)
+        assert m["PREFETCH"] == want, (R, interpret)
+    shape = Shape(1, 40, 2, 1, 16, 32, 2, 16)
+    assert dispatch._meta(_problem(shape))["PREFETCH"] == (0 if dispatch.interpreter_active()
+                                                           else 2)

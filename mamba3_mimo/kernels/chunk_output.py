@@ -93,11 +93,11 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     for kind in tl.static_range(GAMMA, LOG_K + 1):
         if kind != K_DECAY and (U > 1 or kind < LOG_Q):
             prefetch(terms + kind * plane + row + t0, tt, ts_ok, PREFETCH)
-    p0 = pid_p * BP
-    prefetch_steps(v + vh, (t0 + tt) * svs, ts_ok, p0, svp, BP, PREFETCH)
-    prefetch_steps(dout + vh, (t0 + tt) * svs, ts_ok & (t0 + tt < S), p0, svp, BP, PREFETCH)
+    out_ok = ts_ok & (t0 + tt < S)  # steps with a dout, z and dz row
+    prefetch_steps(v + vh, (t0 + tt) * svs, ts_ok, pid_p * BP, svp, BP, PREFETCH)
+    prefetch_steps(dout + vh, (t0 + tt) * svs, out_ok, pid_p * BP, svp, BP, PREFETCH)
     if HAS_Z:
-        prefetch_steps(z + vh, (t0 + tt) * svs, ts_ok & (t0 + tt < S), p0, svp, BP, PREFETCH)
+        prefetch_steps(z + vh, (t0 + tt) * svs, out_ok, pid_p * BP, svp, BP, PREFETCH)
     # Unrolled: the loads of every pair block are issued together, so the program waits for
     # memory about once instead of once per block (docs/optimisation.md, step 3).
     for j0 in tl.static_range(0, HALF, BJ):
@@ -113,9 +113,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     if U > 1:
         log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
         log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
-    w = tile_weights(seg, log_q, log_k, tt,
-                     ts_ok, C, gamma, trap_scale, RP, U)
-    psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, tt < steps,
+    w = tile_weights(seg, log_q, log_k, tt, ts_ok, C, gamma, trap_scale, RP, U)
+    psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, ts_ok,
                              mimo_v + h * R * P, R, p, pm, P, svp, RP)
     q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
     psi_t = tl.trans(psi_v)
@@ -125,7 +124,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     # [BP, TP * RP] -> [TP, RP, BP]: a relabelling of the dot's layout, no data movement
     raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
     sum_o, sum_z = gate_epilogue_steps(raw, dout + vh, z + vh,
-                                       (t0 + tt) * svs, (tt < steps) & (t0 + tt < S),
+                                       (t0 + tt) * svs, out_ok,
                                        mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P, svp,
                                        dz + (b * S * H + h) * P, (t0 + tt) * H * P, HAS_Z)
     part = (bh * n_tiles + o) * R * P

@@ -363,7 +363,7 @@ def prefetch_steps(base, t_off, t_mask, p0, stride_p, BP: tl.constexpr, LEVEL: t
     LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
     NL: tl.constexpr = (BP + LINE - 1) // LINE
     off = t_off[:, None] + (p0 + tl.arange(0, NL) * LINE)[None, :] * stride_p
-    prefetch(base, off, t_mask[:, None] & (tl.arange(0, NL) < NL)[None, :], LEVEL)
+    prefetch(base, off, tl.broadcast_to(t_mask[:, None], off.shape), LEVEL)
 
 
 @triton.jit
