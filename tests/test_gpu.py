@@ -1,5 +1,5 @@
 """GPU-only checks: determinism at full size, no recompilation across batch and sequence length,
-a small shared-memory budget, index arithmetic past 2**31 elements, and the production path's
+one compilation per kernel on a model's first call, a small shared-memory budget, index arithmetic past 2**31 elements, and the production path's
 direct launches."""
 import importlib
 import pkgutil
@@ -85,6 +85,25 @@ def test_no_recompile_across_batch_and_length(impl):
     assert counts[0] > 0, "no compiled kernel found in the caches"
     new = [(size, c - counts[0]) for size, c in zip(sizes, counts) if c != counts[0]]
     assert not new, f"recompiled after the first call (B, S): new kernels {new}"
+
+
+@pytest.mark.parametrize("shape", [Shape(2, 300, 4, 1, 96, 48, 2, 16),
+                                   Shape(2, 300, 4, 1, 48, 48, 2, 16)], ids=["scan", "split"])
+def test_first_call_compiles_each_kernel_once(shape, launches):
+    """A model's first call compiles each kernel it launches once: the dispatcher's config probe
+    (a warmup with the call's own arguments) compiles the specialization that the launch then
+    finds cached. Model dimensions (N 96 or 48, P 48) that no other test uses, so that the
+    state and output kernels are compiled here for the first time."""
+    per_fn = lambda: {fn: sum(len(c[0]) for c in fn.device_caches.values())
+                      for fn in kernel_functions()}
+    before = per_fn()
+    args = op_args(make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape)))
+    run_op(args)
+    torch.cuda.synchronize()
+    grew = {fn.__name__: n - before[fn] for fn, n in per_fn().items() if n != before[fn]}
+    launched = {fn.__name__ for fn, _ in launches}
+    assert all(n == 1 for n in grew.values()), f"compiled more than once: {grew}"
+    assert "chunk_output_kernel" in grew and set(grew) <= launched, (grew, launched)
 
 
 SMEM_LIMIT = 99 * 1024  # e.g. RTX 4090 / sm_89 per-block opt-in limit
