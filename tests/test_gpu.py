@@ -38,10 +38,16 @@ def kernel_functions() -> list:
     return list(found.values())
 
 
+def compiled_counts() -> dict:
+    """Compiled kernels in the JIT caches per kernel function (triton 3.6:
+    device_caches[device][0] maps the specialization key to the compiled kernel)."""
+    return {fn: sum(len(cache[0]) for cache in fn.device_caches.values())
+            for fn in kernel_functions()}
+
+
 def compiled_count() -> int:
-    """Compiled kernels in the JIT caches (triton 3.6: device_caches[device][0] maps the
-    specialization key to the compiled kernel)."""
-    return sum(len(cache[0]) for fn in kernel_functions() for cache in fn.device_caches.values())
+    """Compiled kernels in the JIT caches, all kernel functions together."""
+    return sum(compiled_counts().values())
 
 
 @pytest.fixture
@@ -94,13 +100,12 @@ def test_first_call_compiles_each_kernel_once(shape, launches):
     (a warmup with the call's own arguments) compiles the specialization that the launch then
     finds cached. Model dimensions (N 96 or 48, P 48) that no other test uses, so that the
     state and output kernels are compiled here for the first time."""
-    per_fn = lambda: {fn: sum(len(c[0]) for c in fn.device_caches.values())
-                      for fn in kernel_functions()}
-    before = per_fn()
+    before = compiled_counts()
     args = op_args(make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape)))
     run_op(args)
     torch.cuda.synchronize()
-    grew = {fn.__name__: n - before[fn] for fn, n in per_fn().items() if n != before[fn]}
+    grew = {fn.__name__: n - before[fn] for fn, n in compiled_counts().items()
+            if n != before[fn]}
     launched = {fn.__name__ for fn, _ in launches}
     assert all(n == 1 for n in grew.values()), f"compiled more than once: {grew}"
     assert "chunk_output_kernel" in grew and set(grew) <= launched, (grew, launched)
