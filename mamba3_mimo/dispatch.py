@@ -390,9 +390,9 @@ class _OutputLayout(NamedTuple):
     views: tuple  # (name, size, stride, offset) into the scratch
 
 
-def _output_layout(pb: Problem, m: dict, fp32_scratch: bool) -> _OutputLayout:
-    """The outputs and scratch of a chunked call of pb (fp32_scratch: the states get an fp32
-    copy)."""
+def _output_layout(pb: Problem, m: dict) -> _OutputLayout:
+    """The outputs and scratch of a chunked call of pb, before the state pass is chosen: without
+    an fp32 copy of the states (the call plan adds it where the chosen pass needs it)."""
     B, H, R, P = pb.B, pb.H, pb.R, pb.P
     numel, views = step_terms.table_views(m)
     # the partial sums of dmimo_o and dmimo_z follow step_terms' tables in the scratch, as
@@ -406,7 +406,7 @@ def _output_layout(pb: Problem, m: dict, fp32_scratch: bool) -> _OutputLayout:
     return _OutputLayout(
         states=(B, H, m["nc"], pb.N, P), qk_dot=(B, H, pb.S, R, R),
         dz=(B, pb.S, H, P) if pb.has_z else None,
-        inc="states" if odt == torch.float32 else "fp32" if fp32_scratch else "none",
+        inc="states" if odt == torch.float32 else "none",
         dtype=odt, scratch=numel + n_sums * block, views=tuple(views))
 
 
@@ -481,20 +481,20 @@ def _new_call_plan(pb: Problem, a: dict) -> Tuple["_CallPlan", dict]:
     m = _meta(pb)
     # the configs are chosen with the stand-in for the fp32 scratch, whose type and alignment are
     # the scratch's, so that the probes compile the kernels that run
-    out = _allocate(_output_layout(pb, m, fp32_scratch=False), pb.device)
+    layout = _output_layout(pb, m)
+    out = _allocate(layout, pb.device)
     s_cfg = _choose(chunk_state.launches, _state_candidates, a, out, m, pb)
     probe = dict(out, part_o=out["inc"], part_z=out["inc"])  # compiled, never run
     o_cfg = _choose(chunk_output.launches, _output_candidates, a, probe, m, pb)
     # fp32 outputs: the states are their own scratch. Otherwise an fp32 tensor of their shape,
     # except where the scan runs and chunk_output reads the rounded states: then nothing reads
     # or writes it (268 MB at N128_P64_R4_C16, B = 4) and the placeholder stands in.
-    fp32_scratch = pb.output_dtype != torch.float32 and not (s_cfg["SCAN"] and m["OUT_STATES"])
-    if fp32_scratch:
+    if pb.output_dtype != torch.float32 and not (s_cfg["SCAN"] and m["OUT_STATES"]):
+        layout = layout._replace(inc="fp32")
         out["inc"] = torch.empty(out["states"].shape, device=pb.device, dtype=torch.float32)
     launches = (step_terms.launches(a, out, m) + chunk_state.launches(a, out, m, s_cfg)
                 + chunk_output.launches(a, out, m, o_cfg))
     env = dict(a, **out)
-    layout = _output_layout(pb, m, fp32_scratch)
     return _CallPlan(layout, *_templates(launches, env, placeholder(pb.device))), out
 
 

@@ -47,6 +47,14 @@ _dtype = attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
 
 
+def _tensor_key(tensors: tuple) -> tuple:
+    """What selects a compiled kernel among tensors: their dtypes, and whether each address is
+    16-byte aligned (never the tensors themselves: a table keyed by them would keep their memory
+    alive)."""
+    return (tuple(map(_dtype, tensors)),
+            tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))))
+
+
 def _getter(positions: list) -> Callable[[tuple], tuple]:
     """args -> the tuple of args at these positions (in C, where itemgetter applies)."""
     if len(positions) > 1:
@@ -82,11 +90,8 @@ class _Layout:
         return self.exact(args), dns
 
     def tensor_part(self, args: tuple) -> tuple:
-        """The key of the tensors: dtypes, and whether each address is 16-byte aligned (never
-        the tensors themselves: the table would keep their memory alive)."""
-        tensors = self.tensors(args)
-        return (tuple(map(_dtype, tensors)),
-                tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))))
+        """The key of the tensors among args (_tensor_key)."""
+        return _tensor_key(self.tensors(args))
 
 
 class _Plan:
@@ -299,8 +304,7 @@ class BoundGroup:
             return
         device = driver.active.get_current_device()
         key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-               tuple(map(_dtype, tensors)),
-               tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))))
+               _tensor_key(tensors))
         kernels = self.kernels.get(key)
         if kernels is None:
             kernels = tuple([b(args) for b, args in zip(bounds, arg_lists)])
