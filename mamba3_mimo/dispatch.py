@@ -188,6 +188,9 @@ def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
 # off the whole call at N >= 64 and added 8-12 % at N = 16 and 32, where its grid of
 # B*H*N/32 programs, each walking every chunk, is too small for the GPU (optimisation.md, step 34)
 SCAN_MIN_N = 64
+# state_passing loads the increments and decays of this many chunks before it chains them: its
+# chain then waits for memory once per group of chunks (optimisation.md, step 47)
+PASSING_DEPTH = 8
 
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:
@@ -202,9 +205,10 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
     rows in M Triton leaves wgmma for mma.sync, which at P = 32 cost 255 registers, 528 bytes of
     spill and twice the time (docs/optimisation.md, step 17)."""
     BJ = min(32, _pow2(pb.N // 2))
-    split = [dict(SCAN=False, BJ=BJ, BP=64, num_warps=4, BLOCK=512),
-             dict(SCAN=False, BJ=BJ, BP=min(32, _pow2(pb.P)), num_warps=4, BLOCK=512),
-             dict(SCAN=False, BJ=min(16, BJ), BP=min(16, _pow2(pb.P)), num_warps=4, BLOCK=512)]
+    passing = dict(num_warps=4, BLOCK=512, DEPTH=PASSING_DEPTH)
+    split = [dict(SCAN=False, BJ=BJ, BP=64, **passing),
+             dict(SCAN=False, BJ=BJ, BP=min(32, _pow2(pb.P)), **passing),
+             dict(SCAN=False, BJ=min(16, BJ), BP=min(16, _pow2(pb.P)), **passing)]
     if pb.N >= SCAN_MIN_N:
         return [dict(SCAN=True, BJ=16, BP=64, num_warps=4)] + split
     return split

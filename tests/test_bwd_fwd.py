@@ -317,6 +317,31 @@ def test_state_forms(monkeypatch, shape, dtype, output_dtype):
     dispatch.clear_caches()
 
 
+@pytest.mark.parametrize("dtype, output_dtype", [(FP32, FP32), (FP16, BF16), (BF16, BF16)],
+                         ids=["fp32_alias", "fp16_keep_fp32", "bf16"])
+def test_state_passing_groups(monkeypatch, dtype, output_dtype):
+    """state_passing loads DEPTH chunks' increments and decays before chaining them; the chain
+    itself is unchanged, so every DEPTH gives the outputs of DEPTH = 1 bit for bit: groups that
+    divide the 10 chained chunks or not (3), one group longer than them (16), with the states
+    aliasing the increments (fp32 outputs) and with the fp32 copy at tile starts."""
+    from mamba3_mimo import dispatch
+    shape = Shape(1, 85, 2, 1, 16, 16, 2, 8)  # 11 chunks, the last one partial
+    args, golden, bench = problem(shape, dtype, True, True)
+    first = None
+    for depth in (1, 3, 8, 16):
+        monkeypatch.setattr(dispatch, "PASSING_DEPTH", depth)
+        dispatch.clear_caches()
+        plan = dispatch.select(dataclasses.replace(_problem(shape, dtype),
+                                                   output_dtype=output_dtype))
+        assert plan.state_cfg["DEPTH"] == depth and not plan.state_cfg["SCAN"]
+        outs = run_op(args, "chunked", output_dtype=output_dtype)
+        if first is None:
+            check_outputs(outs, golden, bench, dtype, output_dtype)
+            first = outs
+        assert all(torch.equal(x, y) for x, y in zip(outs, first) if x is not None), depth
+    dispatch.clear_caches()
+
+
 def test_state_form_rule():
     """The dispatcher runs the fused scan from N = SCAN_MIN_N and the split form below, on every
     official shape, and says which in its plan."""

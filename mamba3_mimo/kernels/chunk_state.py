@@ -96,8 +96,13 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
 
 @triton.jit(do_not_specialize=["S_pad", "nc"])
 def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.constexpr,
-                         BLOCK: tl.constexpr, KEEP_FP32: tl.constexpr):
+                         BLOCK: tl.constexpr, DEPTH: tl.constexpr, KEEP_FP32: tl.constexpr):
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], states[0] = 0, on [BLOCK] slices.
+
+    The chunks go in groups of DEPTH, each group's increments and decays loaded before its
+    first update: the serial chain then waits for memory once per group instead of once per
+    chunk. Its length, not the bandwidth, bounds this kernel where the grid is about one
+    program per SM (docs/optimisation.md, step 47).
 
     inc may alias states (fp32 outputs): each slice is read before it is overwritten. With
     KEEP_FP32 (narrower outputs that chunk_output may not read, dispatch.out_states_suffice) the
@@ -111,13 +116,20 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
     tl.store(states + base, running.to(states.dtype.element_ty), mask=m)
     if KEEP_FP32:
         tl.store(inc + base, running, mask=m)
-    for c in range(1, nc):
-        x = tl.load(inc + base + c * NP_SIZE, mask=m, other=0.0)
-        decay = tl.exp(tl.load(da_cs + bh * S_pad + c * C - 1))
-        running = running * decay + x
-        tl.store(states + base + c * NP_SIZE, running.to(states.dtype.element_ty), mask=m)
-        if KEEP_FP32:
-            tl.store(inc + base + c * NP_SIZE, running, mask=m & (c % U == 0))
+    for c0 in range(1, nc, DEPTH):
+        xs = ()
+        log_decays = ()
+        for i in tl.static_range(DEPTH):
+            live = c0 + i < nc  # past the last chunk: x = 0 and decay 1, nothing stored
+            xs += (tl.load(inc + base + (c0 + i) * NP_SIZE, mask=m & live, other=0.0),)
+            log_decays += (tl.load(da_cs + bh * S_pad + (c0 + i) * C - 1, mask=live, other=0.0),)
+        for i in tl.static_range(DEPTH):
+            c = c0 + i
+            running = running * tl.exp(log_decays[i]) + xs[i]
+            tl.store(states + base + c * NP_SIZE, running.to(states.dtype.element_ty),
+                     mask=m & (c < nc))
+            if KEEP_FP32:
+                tl.store(inc + base + c * NP_SIZE, running, mask=m & (c < nc) & (c % U == 0))
 
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
@@ -194,7 +206,7 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
     out["states"] (with the scan, out["inc"] may then be a one-element stand-in, never written).
 
     cfg: SCAN picks the fused state_scan_kernel (BJ, BP, num_warps) over chunk_increment (BJ,
-    BP, num_warps) with state_passing (BLOCK), which use out["inc"] as their fp32 scratch. The
+    BP, num_warps) with state_passing (BLOCK, DEPTH), which use out["inc"] as their fp32 scratch. The
     first launch is the one whose resources decide the config; chunk_increment's grid is empty
     for a single chunk.
     """
@@ -218,4 +230,4 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
                     cfg["BP"], m["PREC"], BA), warps),
             Launch(state_passing_kernel, (B * H, cdiv(N * P, cfg["BLOCK"])),
                    (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
-                    N * P, cfg["BLOCK"], keep_fp32), dict(num_warps=4))]
+                    N * P, cfg["BLOCK"], cfg["DEPTH"], keep_fp32), dict(num_warps=4))]
