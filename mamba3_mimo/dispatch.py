@@ -388,6 +388,7 @@ class _OutputLayout(NamedTuple):
     states: tuple
     qk_dot: tuple
     dz: Optional[tuple]  # None without Z (the placeholder stands in)
+    dmimo: tuple  # [n_sums, B, H, R, P] fp32: dmimo_o, and dmimo_z with Z
     inc: str  # "states" (fp32 outputs), "fp32" (its own fp32 copy) or "none" (the placeholder)
     dtype: torch.dtype
     scratch: int  # elements of the one fp32 scratch buffer
@@ -400,7 +401,7 @@ def _output_layout(pb: Problem, m: dict) -> _OutputLayout:
     B, H, R, P = pb.B, pb.H, pb.R, pb.P
     numel, views = step_terms.table_views(m)
     # the partial sums of dmimo_o and dmimo_z follow step_terms' tables in the scratch, as
-    # views of one [n_sums, ...] block that one sum reduces (step 39)
+    # views of one [n_sums, ...] block that one launch reduces (steps 39 and 49)
     tiles = cdiv(m["nc"], m["U"])
     n_sums, block = (2 if pb.has_z else 1), aligned_numel(B * H * tiles * R * P)
     part = (B, H, tiles, R, P), (H * tiles * R * P, tiles * R * P, R * P, P, 1)
@@ -409,18 +410,20 @@ def _output_layout(pb: Problem, m: dict) -> _OutputLayout:
     odt = pb.output_dtype
     return _OutputLayout(
         states=(B, H, m["nc"], pb.N, P), qk_dot=(B, H, pb.S, R, R),
-        dz=(B, pb.S, H, P) if pb.has_z else None,
+        dz=(B, pb.S, H, P) if pb.has_z else None, dmimo=(n_sums, B, H, R, P),
         inc="states" if odt == torch.float32 else "none",
         dtype=odt, scratch=numel + n_sums * block, views=tuple(views))
 
 
 def _allocate(layout: _OutputLayout, dev: torch.device) -> dict:
     """A call's outputs and scratch, by name: states, qk_dot, dz (the placeholder without Z),
-    inc (the states themselves for fp32 outputs, an fp32 copy, or the placeholder), step_terms'
-    tables, and the dmimo partial sums ("parts", with the views part_o and part_z)."""
+    dmimo (dmimo_o and dmimo_z as one tensor), inc (the states themselves for fp32 outputs, an
+    fp32 copy, or the placeholder), step_terms' tables, and the dmimo partial sums ("parts",
+    with the views part_o and part_z)."""
     L = layout
     states = torch.empty(L.states, device=dev, dtype=L.dtype)
     out = dict(states=states, qk_dot=torch.empty(L.qk_dot, device=dev, dtype=L.dtype),
+               dmimo=torch.empty(L.dmimo, device=dev, dtype=torch.float32),
                dz=placeholder(dev) if L.dz is None else torch.empty(L.dz, device=dev,
                                                                       dtype=L.dtype),
                inc=states if L.inc == "states" else placeholder(dev) if L.inc == "none"
@@ -551,7 +554,7 @@ def _execute(pb: Problem, plan: "_CallPlan", a: dict, out: Optional[dict] = None
     if out is None:
         out = _allocate(plan.outputs, pb.device)
     plan.launch(dict(a, **out))
-    sums = out["parts"].sum(3).unbind(0)
+    sums = out["dmimo"].unbind(0)
     return (out["states"], out["qk_dot"], sums[0], sums[-1] if pb.has_z else None,
             out["dz"] if pb.has_z else None)
 

@@ -458,6 +458,16 @@ def test_host_integer_helpers():
             assert cdiv(a, b) == triton.cdiv(a, b)
 
 
+def test_rank_sums_over_many_tiles():
+    """dmimo_o and dmimo_z sum chunk_output's per-tile partial sums over 38 tiles, more than the
+    32 that rank_sums_kernel loads at once and not a multiple of them."""
+    from mamba3_mimo import dispatch
+    shape = Shape(1, 300, 2, 1, 16, 16, 8, 8)
+    assert dispatch.output_tile_chunks(shape.C, shape.R) == 1  # one chunk per tile: 38 tiles
+    args, golden, bench = problem(shape, FP32, True, True)
+    check_outputs(run_op(args, "chunked"), golden, bench, FP32)
+
+
 def test_prefetch_policy():
     """chunk_output's L2 prefetch is inline assembly: never under the interpreter, and on a
     compiled build only where it measured faster (R > 1; optimisation.md, step 46)."""

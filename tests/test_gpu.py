@@ -196,10 +196,11 @@ def test_direct_launch_runs_tritons_kernel(monkeypatch):
     shifted = buf[2:].view(q.shape).copy_(q)
     assert shifted.data_ptr() % 16 != 0
     output_kernels = []
+    kernels = ["step_terms_kernel", "chunk_increment_kernel", "state_passing_kernel",
+               "chunk_output_kernel", "rank_sums_kernel"]
     # first calls: every kernel through Triton, then only chunk_output (the others' arguments
     # keep their keys); second calls: none
-    for what, a, first in (("aligned", args, ["step_terms_kernel", "chunk_increment_kernel",
-                                               "state_passing_kernel", "chunk_output_kernel"]),
+    for what, a, first in (("aligned", args, kernels),
                            ("q misaligned", dict(args, q=shifted), ["chunk_output_kernel"])):
         monkeypatch.setattr(launcher, "DIRECT", False)
         want = run_op(a, "chunked")
@@ -212,7 +213,8 @@ def test_direct_launch_runs_tritons_kernel(monkeypatch):
             assert through_triton == (first if call == 1 else []), (
                 f"{what}, call {call}: launched through Triton: {through_triton}")
         torch.cuda.synchronize()
-        assert len(log) == 8, f"{what}: {len(log)} launches, expected 4 per call"
+        assert len(log) == 2 * len(kernels), (
+            f"{what}: {len(log)} launches, expected {len(kernels)} per call")
         for fn, grid, kargs, options in log:
             kept = launcher.kept_kernel(fn, kargs, **options)
             assert kept is not None, f"{what}: nothing kept for {fn.__name__}"

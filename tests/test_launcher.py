@@ -404,7 +404,8 @@ def production_launches(monkeypatch, shape: Shape, seed: int = 0) -> list:
     log = record_launches(monkeypatch, forward=False)
     run_op(op_args(make_inputs(shape, BF16, True, True, device=DEVICE, seed=seed)), "chunked")
     assert [fn.__name__ for fn, *_ in log] == ["step_terms_kernel", "chunk_increment_kernel",
-                                               "state_passing_kernel", "chunk_output_kernel"]
+                                               "state_passing_kernel", "chunk_output_kernel",
+                                               "rank_sums_kernel"]
     return [(_jit(fn), grid, args, options) for fn, grid, args, options in log]
 
 

@@ -15,7 +15,7 @@ dot from registers instead (docs/optimisation.md, step 19).
 import triton
 import triton.language as tl
 
-from . import cdiv, input_align
+from . import cdiv, input_align, next_pow2
 from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
                      load_rotated, opaque, prefetch, prefetch_steps, store_qk_dot,
                      store_rank_sums, tile_weights)
@@ -131,13 +131,36 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
 
 
+@triton.jit(do_not_specialize=["n_bh", "n_tiles", "s_part"])
+def rank_sums_kernel(parts, sums, n_bh, n_tiles, s_part, RP_SIZE: tl.constexpr,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """sums[i] = the sum over tiles of parts[i // n_bh, i % n_bh, tile], [RP_SIZE] = R*P per
+    (partial sum, b*h) row i: the dmimo_o / dmimo_z of one (b, h) from chunk_output's per-tile
+    sums. ROWS tiles are loaded at once and reduced, then added in tile order: a fixed order, so
+    the result is the same on every run. parts: [n_sums, B*H, n_tiles, R*P] with stride s_part
+    between its n_sums blocks; sums: [n_sums * B*H, R*P], contiguous."""
+    i = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = col < RP_SIZE
+    src = parts + (i // n_bh) * s_part + (i % n_bh) * n_tiles * RP_SIZE
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for t0 in range(0, n_tiles, ROWS):
+        t = t0 + tl.arange(0, ROWS)
+        x = tl.load(src + t[:, None] * RP_SIZE + col[None, :],
+                    mask=(t < n_tiles)[:, None] & cm[None, :], other=0.0)
+        acc += tl.sum(x, axis=0)
+    tl.store(sums + i * RP_SIZE + col, acc, mask=cm)
+
+
 def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
-    """The one launch that writes qk_dot, dz and the dmimo partial sums, reading chunk_state's
+    """The launch that writes qk_dot, dz and the dmimo partial sums, reading chunk_state's
     states (the `states` output with meta["OUT_STATES"], else the fp32 copy in out["inc"]) and
     step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ, BP, num_warps, num_stages,
     maxnreg; meta["U"] the chunks per tile, meta["TPO"] its padded steps.
 
-    out["part_o"], out["part_z"]: [B*H, n_tiles, R, P] fp32 scratch, n_tiles = cdiv(nc, U).
+    out["part_o"], out["part_z"]: [B*H, n_tiles, R, P] fp32 scratch, n_tiles = cdiv(nc, U),
+    views of out["parts"] ([n_sums, B, H, n_tiles, R, P]); then the launch that reduces them over
+    the tiles into out["dmimo"] ([n_sums, B, H, R, P] fp32: dmimo_o, and dmimo_z with Z).
     """
     m = meta
     B, H = m["B"], m["H"]
@@ -156,5 +179,10 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
         gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
         m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
         m["OPAQUE"], BA, m["PREFETCH"])
+    parts, sums, RP = out["parts"], out["dmimo"], m["R"] * m["P"]
+    BLOCK = min(128, next_pow2(RP))
     return [Launch(chunk_output_kernel, grid, args, dict(
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"]))]
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])),
+            Launch(rank_sums_kernel, (parts.shape[0] * B * H, cdiv(RP, BLOCK)),
+                   (parts, sums, B * H, n_tiles, parts.stride(0), RP, BLOCK, 32),
+                   dict(num_warps=4))]
