@@ -164,6 +164,7 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
                 # with (docs/optimisation.md, step 27; 8, as in step 13, made them disagree)
                 ALIGN=4,
                 OPAQUE=not interpret,  # common.opaque: inline assembly, GPU only
+                SCAN_SYNC=N <= SCAN_SYNC_MAX_N,
                 # common.prefetch into L2 (inline assembly, GPU only); at R = 1 it measured
                 # 5 % slower (docs/optimisation.md, step 46)
                 PREFETCH=0 if interpret or R == 1 else 2)
@@ -188,6 +189,12 @@ def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
 # off the whole call at N >= 64 and added 8-12 % at N = 16 and 32, where its grid of
 # B*H*N/32 programs, each walking every chunk, is too small for the GPU (optimisation.md, step 34)
 SCAN_MIN_N = 64
+# Up to this N the fused scan's increment goes through mma.sync (common.dot_sync) rather than
+# wgmma, whose proxy fence waits for the chunks the loop loads ahead. With at most two N
+# blocks per head the scan runs about one program per SM, so that wait is exposed: measured
+# 12 % faster at N64_P64 and 3 % at N64_P128; with more programs per SM the wait is hidden and
+# mma.sync measured up to 9 % slower (N = 128, 256 at C = 8; docs/optimisation.md, step 50).
+SCAN_SYNC_MAX_N = 64
 # state_passing loads the increments and decays of this many chunks before it chains them: its
 # chain then waits for memory once per group of chunks (optimisation.md, step 47)
 PASSING_DEPTH = 8
@@ -369,9 +376,10 @@ _entry_calls: Dict[tuple, Tuple[Problem, "_CallPlan"]] = {}
 
 
 def clear_caches() -> None:
-    """Forget the chosen configs, the call plans, the entry signatures and the devices checked
-    (after a change to what the dispatcher picks, such as a shared-memory limit or, in tests,
-    its candidates)."""
+    """Forget the compile-time constants, the chosen configs, the call plans, the entry
+    signatures and the devices checked (after a change to what the dispatcher picks, such as a
+    shared-memory limit or, in tests, its candidates or rules)."""
+    _model_meta.cache_clear()
     _config_cache.clear()
     _call_plans.clear()
     _entry_calls.clear()

@@ -353,6 +353,25 @@ def test_state_form_rule():
         assert ("state_scan" in plan.describe()) == plan.state_cfg["SCAN"]
 
 
+@pytest.mark.parametrize("sync", [True, False], ids=["mma_sync", "wgmma"])
+def test_scan_dot_forms(monkeypatch, sync):
+    """The fused scan's increment through common.dot_sync (mma.sync) up to N = SCAN_SYNC_MAX_N and
+    through a plain dot above it, on every official shape; each form within the thresholds on a
+    scan shape with a partial last chunk."""
+    from mamba3_mimo import dispatch
+    from mamba3_mimo.inputs import official_shapes
+    for s in official_shapes(B=1, S=64, H=2):
+        assert dispatch._meta(_problem(s))["SCAN_SYNC"] == (s.N <= dispatch.SCAN_SYNC_MAX_N), s.name
+    shape = Shape(1, 40, 2, 1, 64, 16, 2, 16)
+    monkeypatch.setattr(dispatch, "SCAN_SYNC_MAX_N", 64 if sync else 32)
+    dispatch.clear_caches()
+    assert dispatch._meta(_problem(shape))["SCAN_SYNC"] == sync
+    assert dispatch.select(_problem(shape)).state_cfg["SCAN"]
+    args, golden, bench = problem(shape, BF16, True, True)
+    check_outputs(run_op(args, "chunked", output_dtype=FP32), golden, bench, BF16, FP32)
+    dispatch.clear_caches()
+
+
 @pytest.mark.parametrize("N, dtype, scratch", [(64, BF16, False), (64, FP16, True),
                                               (16, BF16, True)],
                          ids=["scan_rounded_states", "scan_fp32_copy", "split"])

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv, input_align
-from .common import (chunk_rows, dot, load_cos_sin, load_mimo_v, load_pair_columns,
+from .common import (chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_v_steps, psi_v_rows, rotate_pairs)
 from .launcher import Launch
 from .step_terms import K_DECAY
@@ -59,10 +59,15 @@ def _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv):
 
 
 @triton.jit
-def _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC: tl.constexpr):
+def _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC: tl.constexpr, SYNC: tl.constexpr,
+               OPAQUE: tl.constexpr):
     """A chunk's increment k_w^T psi_v as its two halves, transposed ([BP, BJ] each), from
-    _chunk_inputs (the scan's running state takes both at once)."""
+    _chunk_inputs (the scan's running state takes both at once); SYNC: through
+    common.dot_sync."""
     k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
+    if SYNC:
+        return (dot_sync(psi_t, k1 * w[:, None], PREC, OPAQUE),
+                dot_sync(psi_t, k2 * w[:, None], PREC, OPAQUE))
     return dot(psi_t, k1 * w[:, None], PREC), dot(psi_t, k2 * w[:, None], PREC)
 
 
@@ -138,7 +143,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
                       R, N: tl.constexpr, P: tl.constexpr, C, U,
                       TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                       BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
-                      KEEP_FP32: tl.constexpr):
+                      KEEP_FP32: tl.constexpr, SYNC: tl.constexpr, OPAQUE: tl.constexpr):
     """states[b, h, c + 1] = states[b, h, c] exp(da_cs[end of c]) + k_w^T psi_v of chunk c, the
     increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0.
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
@@ -170,7 +175,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
                                           BJ)
     # chunk 0's increment, and chunk 1's inputs: in the loop, chunk c + 1's increment is computed
     # after chunk c's state is stored, so that the running state's update never waits for a dot
-    inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC)
+    inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
     x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 1, C, t, r, rows, tt,
                                           nc > 2, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
                                           BJ)
@@ -194,7 +199,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
             tl.store(keep + so, run1, mask=m & tile_start)
             tl.store(keep + so + HALF * P, run2, mask=m & tile_start)
         # chunk c + 1's increment (zero past the last chunk that has one: its inputs are masked)
-        inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC)
+        inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
         log_decay = next_log_decay
 
@@ -224,7 +229,9 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
     if cfg["SCAN"]:
         return [Launch(state_scan_kernel, (B * H, n_jb * cdiv(P, cfg["BP"])), (
             *head, a["da_cs"], out["states"], out["inc"], *dims, m["U"], m["TP"], m["RP"], half,
-            m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA, keep_fp32), dict(warps, num_stages=1))]
+            m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA, keep_fp32, m["SCAN_SYNC"],
+            m["OPAQUE"]),
+            dict(warps, num_stages=1))]
     return [Launch(chunk_increment_kernel, (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"])),
                    (*head, out["inc"], *dims, m["TP"], m["RP"], half, m["RD"], cfg["BJ"],
                     cfg["BP"], m["PREC"], BA), warps),
