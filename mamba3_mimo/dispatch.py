@@ -2,7 +2,8 @@
 
 Rule: "auto" runs the production path, "chunked": step_terms_kernel (per-step terms and the
 rotary cos/sin table), then the states, from N = SCAN_MIN_N (64) up by state_scan_kernel (one
-fused serial scan), below it by chunk_increment_kernel (chunk-parallel state increments) and
+fused serial scan; its increment's dot on mma.sync up to N = SCAN_SYNC_MAX_N (64), on wgmma
+above), below it by chunk_increment_kernel (chunk-parallel state increments) and
 state_passing_kernel (serial multiply-add over chunks), then chunk_output_kernel
 (chunk-parallel outputs, its later inputs prefetched into L2 where R > 1). Configs depend only
 on model dimensions (N, P, R, C, dtypes, flags),
