@@ -166,8 +166,8 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
                 ALIGN=4,
                 OPAQUE=not interpret,  # common.opaque: inline assembly, GPU only
                 SCAN_SYNC=N <= SCAN_SYNC_MAX_N,
-                # common.prefetch into L2 (inline assembly, GPU only); at R = 1 it measured
-                # 5 % slower (docs/optimisation.md, step 46)
+                # common.prefetch into L2 (inline assembly, GPU only); at R = 1 it made
+                # chunk_output 8 % slower (docs/optimisation.md, step 46)
                 PREFETCH=0 if interpret or R == 1 else 2)
 
 
