@@ -167,7 +167,8 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
                 OPAQUE=not interpret,  # common.opaque: inline assembly, GPU only
                 SCAN_SYNC=N <= SCAN_SYNC_MAX_N,
                 # common.prefetch into L2 (inline assembly, GPU only); at R = 1 it made
-                # chunk_output 8 % slower (docs/optimisation.md, step 46)
+                # chunk_output 8 % slower, and 5 % without the segsum block
+                # (docs/optimisation.md, steps 46 and 52)
                 PREFETCH=0 if interpret or R == 1 else 2)
 
 
