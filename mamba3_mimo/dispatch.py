@@ -193,9 +193,10 @@ def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
 SCAN_MIN_N = 64
 # Up to this N the fused scan's increment goes through mma.sync (common.dot_sync) rather than
 # wgmma, whose proxy fence waits for the chunks the loop loads ahead. With at most two N
-# blocks per head the scan runs about one program per SM, so that wait is exposed: measured
-# 12 % faster at N64_P64 and 3 % at N64_P128; with more programs per SM the wait is hidden and
-# mma.sync measured up to 9 % slower (N = 128, 256 at C = 8; docs/optimisation.md, step 50).
+# blocks per head the scan runs about one program per SM (on the official batch, B*H = 64),
+# so that wait is exposed: measured 12 % faster at N64_P64 and 3 % at N64_P128; with more
+# programs per SM the wait is hidden and mma.sync measured up to 9 % slower (N = 128, 256 at
+# C = 8; docs/optimisation.md, step 50).
 SCAN_SYNC_MAX_N = 64
 # state_passing loads the increments and decays of this many chunks before it chains them: its
 # chain then waits for memory once per group of chunks (optimisation.md, step 47)
