@@ -1,6 +1,6 @@
 """GPU-only checks: determinism at full size, no recompilation across batch and sequence length,
-one compilation per kernel on a model's first call, a small shared-memory budget, index arithmetic past 2**31 elements, and the production path's
-direct launches."""
+one compilation per kernel on a model's first call, a small shared-memory budget, index
+arithmetic past 2**31 elements, and the production path's direct launches."""
 import importlib
 import pkgutil
 
@@ -156,8 +156,8 @@ def test_launched_kernel_resources(shape, launches):
     wgmma to mma.sync, which in chunk_increment at P = 32 took 255 registers, 528 bytes of spill
     and twice the time (docs/optimisation.md, step 17): the launched kernel uses wgmma (sm_90)
     and spills nothing; but up to N = SCAN_SYNC_MAX_N the scan's dot is on mma.sync by design
-    (common.dot_sync, step 50), still without spills. chunk_output stays within dispatch.OUTPUT_MAXNREG registers, three
-    programs per SM (step 22)."""
+    (common.dot_sync, step 50), still without spills. chunk_output stays within
+    dispatch.OUTPUT_MAXNREG registers, three programs per SM (step 22)."""
     args = op_args(make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape)))
     run_op(args)
     torch.cuda.synchronize()

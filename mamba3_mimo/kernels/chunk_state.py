@@ -62,13 +62,11 @@ def _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv):
 def _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC: tl.constexpr, SYNC: tl.constexpr,
                OPAQUE: tl.constexpr):
     """A chunk's increment k_w^T psi_v as its two halves, transposed ([BP, BJ] each), from
-    _chunk_inputs (the scan's running state takes both at once); SYNC: through
-    common.dot_sync."""
+    _chunk_inputs (the scan's running state takes both at once); SYNC: on mma.sync
+    (common.dot_sync)."""
     k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv, mv)
-    if SYNC:
-        return (dot_sync(psi_t, k1 * w[:, None], PREC, OPAQUE),
-                dot_sync(psi_t, k2 * w[:, None], PREC, OPAQUE))
-    return dot(psi_t, k1 * w[:, None], PREC), dot(psi_t, k2 * w[:, None], PREC)
+    return (dot_sync(psi_t, k1 * w[:, None], PREC, SYNC, OPAQUE),
+            dot_sync(psi_t, k2 * w[:, None], PREC, SYNC, OPAQUE))
 
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
@@ -211,9 +209,9 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
     out["states"] (with the scan, out["inc"] may then be a one-element stand-in, never written).
 
     cfg: SCAN picks the fused state_scan_kernel (BJ, BP, num_warps) over chunk_increment (BJ,
-    BP, num_warps) with state_passing (BLOCK, DEPTH), which use out["inc"] as their fp32 scratch. The
-    first launch is the one whose resources decide the config; chunk_increment's grid is empty
-    for a single chunk.
+    BP, num_warps) with state_passing (BLOCK, DEPTH), which use out["inc"] as their fp32
+    scratch. The first launch is the one whose resources decide the config; chunk_increment's
+    grid is empty for a single chunk.
     """
     m = meta
     B, H, N, P = m["B"], m["H"], m["N"], m["P"]
@@ -230,8 +228,7 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
         return [Launch(state_scan_kernel, (B * H, n_jb * cdiv(P, cfg["BP"])), (
             *head, a["da_cs"], out["states"], out["inc"], *dims, m["U"], m["TP"], m["RP"], half,
             m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA, keep_fp32, m["SCAN_SYNC"],
-            m["OPAQUE"]),
-            dict(warps, num_stages=1))]
+            m["OPAQUE"]), dict(warps, num_stages=1))]
     return [Launch(chunk_increment_kernel, (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"])),
                    (*head, out["inc"], *dims, m["TP"], m["RP"], half, m["RD"], cfg["BJ"],
                     cfg["BP"], m["PREC"], BA), warps),

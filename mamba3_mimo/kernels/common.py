@@ -14,14 +14,17 @@ def dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def dot_sync(a, b, PREC: tl.constexpr, OPAQUE: tl.constexpr):
-    """dot(a, b) for a [M, K] with M a multiple of 64, through warp-level mma.sync rather than
-    Hopper's wgmma: Triton gives a dot of rank 3 the older MMA with its warps over the batch, so
-    the rows of a go in batches of 16, one per warp at M = 64 and 4 warps. A wgmma whose
-    operands were written from registers waits behind a proxy fence for every memory access in
-    flight, so in a loop that loads later chunks' inputs ahead, each wgmma waited for those
-    loads (docs/optimisation.md, step 50). b goes through `opaque` (OPAQUE) so that its
-    computation stays in its own layout rather than being redone by every warp."""
+def dot_sync(a, b, PREC: tl.constexpr, ON: tl.constexpr, OPAQUE: tl.constexpr):
+    """dot(a, b), for a [M, K] with M a multiple of 64 through warp-level mma.sync rather than
+    Hopper's wgmma (ON; a plain `dot` otherwise). Triton gives a dot of rank 3 the older MMA
+    with its warps over the batch, so the rows of a go in batches of 16, one per warp at M = 64
+    and 4 warps. A wgmma whose operands were written from registers waits behind a proxy fence
+    for every memory access in flight, so in a loop that loads later chunks' inputs ahead, each
+    wgmma waited for those loads (docs/optimisation.md, step 50). b goes through `opaque`
+    (OPAQUE) so that its computation stays in its own layout rather than being redone by every
+    warp."""
+    if not ON:
+        return dot(a, b, PREC)
     M: tl.constexpr = a.shape[0]
     K: tl.constexpr = a.shape[1]
     N: tl.constexpr = b.shape[1]
