@@ -199,8 +199,12 @@ SCAN_MIN_N = 64
 # C = 8; docs/optimisation.md, step 50).
 SCAN_SYNC_MAX_N = 64
 # state_passing loads the increments and decays of this many chunks before it chains them: its
-# chain then waits for memory once per group of chunks (optimisation.md, step 47)
-PASSING_DEPTH = 8
+# chain then waits for memory once per group of chunks (optimisation.md, step 47); 16 rather
+# than 8 took a further 18 % off it at N = 16 and 13 % at N = 32 (step 54)
+PASSING_DEPTH = 16
+# state_passing's slice of a state per program: 256 rather than 512 doubles its programs (the
+# official N = 16 grid is one program per SM), 3 % faster with DEPTH = 16 (step 54)
+PASSING_BLOCK = 256
 
 
 def _state_candidates(pb: Problem, m: dict) -> List[dict]:
@@ -215,7 +219,7 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
     rows in M Triton leaves wgmma for mma.sync, which at P = 32 cost 255 registers, 528 bytes of
     spill and twice the time (docs/optimisation.md, step 17)."""
     BJ = min(32, _pow2(pb.N // 2))
-    passing = dict(num_warps=4, BLOCK=512, DEPTH=PASSING_DEPTH)
+    passing = dict(num_warps=4, BLOCK=PASSING_BLOCK, DEPTH=PASSING_DEPTH)
     split = [dict(SCAN=False, BJ=BJ, BP=64, **passing),
              dict(SCAN=False, BJ=BJ, BP=min(32, _pow2(pb.P)), **passing),
              dict(SCAN=False, BJ=min(16, BJ), BP=min(16, _pow2(pb.P)), **passing)]

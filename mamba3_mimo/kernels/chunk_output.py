@@ -66,7 +66,9 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps.
     sqb, skb, svb, sgb, sgh come divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
-    o = tl.program_id(1).to(tl.int64)
+    # the last tiles first: the state pass wrote their states last, so those are the ones
+    # still in L2 when this kernel starts (docs/optimisation.md, step 53)
+    o = (n_tiles - 1 - tl.program_id(1)).to(tl.int64)
     pid_p = tl.program_id(2)
     b, h = bh // H, bh % H
     g = h // HG
