@@ -128,7 +128,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     sum_o, sum_z = gate_epilogue_steps(raw, dout + vh, z + vh,
                                        (t0 + tt) * svs, out_ok,
                                        mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P, svp,
-                                       dz + (b * S * H + h) * P, (t0 + tt) * H * P, HAS_Z)
+                                       dz + (b * S * H + h) * P, (t0 + tt) * H * P, HAS_Z,
+                                       2 if OPAQUE else 1)  # the sigmoid's form: inline asm
     part = (bh * n_tiles + o) * R * P
     store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
 

@@ -180,9 +180,18 @@ def tile_weights(seg_ptr, log_q, log_k, ts, steps_ok, C, gamma, trap_scale, RP: 
 
 @triton.jit
 def sigmoid(x, FAST: tl.constexpr):
-    """tl.sigmoid, or with FAST the same through the approximate division (2 ulp): the precise
-    division's slow-path branch was the largest stall of chunk_output's epilogue."""
-    if FAST:
+    """tl.sigmoid (FAST 0); 1 / (1 + exp(-x)) through the approximate division (FAST 1, 2 ulp:
+    the precise division's slow-path branch was the largest stall of chunk_output's epilogue);
+    or (FAST 2, inline assembly, GPU only) the same from the two special-function instructions
+    alone, ex2 and rcp with denormals flushed: 4 instructions where FAST 1 takes 12, most of
+    them the range fix-ups around the same ex2 and rcp (docs/optimisation.md, step 55). A few
+    ulp either way; exp(-x) overflowing to inf still gives 0."""
+    if FAST == 2:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .f32 e; mul.f32 e, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 e, e; "
+            "add.f32 e, e, 0f3F800000; rcp.approx.ftz.f32 $0, e; }",  # 0fBFB8AA3B: -log2(e)
+            "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    elif FAST == 1:
         y = tl.fdiv(tl.full(x.shape, 1.0, tl.float32), 1.0 + tl.exp(-x), ieee_rounding=False)
     else:
         y = tl.sigmoid(x)
@@ -304,7 +313,7 @@ def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, s
     z = tl.zeros_like(raw)
     if HAS_Z:
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, False)
+    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, 0)
     if HAS_Z:
         TS: tl.constexpr = 16 if TP < 16 else TP
         dz = tl.dot(select(ROWS, TS, RP, False), g_dz, input_precision=EXACT)
@@ -320,7 +329,7 @@ def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, s
 
 @triton.jit
 def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, p, p_mask, P,
-                        stride_p, dz_ptr, dz_off, HAS_Z: tl.constexpr):
+                        stride_p, dz_ptr, dz_off, HAS_Z: tl.constexpr, FAST: tl.constexpr):
     """The production reduce-O gradients of a tile held as raw [TP, RP, BP] (step, rank,
     column): stores dz and returns the per-rank sums (sum_t dout*gate*raw,
     sum_t dout*Phi*raw*silu'(u)*z), each [RP, BP].
@@ -342,7 +351,7 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
     if HAS_Z:
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
         zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :]
-    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, True)
+    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, FAST)
     if HAS_Z:
         dz = tl.sum(g_dz, axis=1)
         tl.store(dz_ptr + dz_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty), mask=m)
