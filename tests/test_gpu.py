@@ -1,11 +1,14 @@
 """GPU-only checks: determinism at full size, no recompilation across batch and sequence length,
 one compilation per kernel on a model's first call, a small shared-memory budget, index
-arithmetic past 2**31 elements, and the production path's direct launches."""
+arithmetic past 2**31 elements, the production path's direct launches, and the sigmoid's
+inline-assembly form."""
 import importlib
 import pkgutil
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 import mamba3_mimo.kernels
@@ -14,6 +17,7 @@ from conftest import (IMPLS, assert_outputs_equal, check_outputs, op_args, probl
 from mamba3_mimo import dispatch
 from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
 from mamba3_mimo.kernels import launcher
+from mamba3_mimo.kernels.common import sigmoid
 from mamba3_mimo.reference import bwd_fwd_reference
 
 pytestmark = requires_gpu
@@ -232,3 +236,32 @@ def test_direct_launch_runs_tritons_kernel(monkeypatch):
             assert_outputs_equal(o, want, f"{what}, call {i + 1} against Triton's path: ")
     assert output_kernels[0] is not output_kernels[-1], (
         "misaligned q launched the chunk_output kernel compiled for an aligned q")
+
+
+@triton.jit
+def _sigmoid_kernel(x_ptr, y_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(y_ptr + i, sigmoid(x, FAST), mask=i < n)
+
+
+def test_sigmoid_forms():
+    """common.sigmoid's three forms against float64 on the H200, over the range the gate sees
+    and past the points where exp(-x) leaves fp32 (|x| > 88): at most 1e-6 off absolutely, and
+    5e-6 relatively wherever the value is above 1e-37, clear of the denormals that the
+    inline-assembly form (FAST 2, chunk_output's, step 55) flushes to zero; the rounding of
+    x * log2(e) alone moves exp by up to about 3e-6 at |x| = 88. Both ends saturate exactly:
+    0 below -104, 1 above 17."""
+    x = torch.cat([torch.linspace(-120, 120, 200001, device="cuda", dtype=torch.float64),
+                   torch.tensor([0.0, 1e-30, -1e-30, 1e30, -1e30, float("inf"), float("-inf")],
+                                device="cuda", dtype=torch.float64)]).float()
+    want = torch.sigmoid(x.double())
+    for fast in (0, 1, 2):
+        y = torch.full_like(x, float("nan"))
+        _sigmoid_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), fast, 1024)
+        err = (y.double() - want).abs()
+        assert err.max().item() <= 1e-6, (fast, x[err.argmax()].item())
+        normal = want > 1e-37
+        rel = (err / want)[normal]
+        assert rel.max().item() <= 5e-6, (fast, x[normal][rel.argmax()].item())
+        assert torch.all(y[x < -104] == 0) and torch.all(y[x > 17] == 1), fast
