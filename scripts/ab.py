@@ -22,7 +22,8 @@ most of its first round; "patch": "path/to.patch" runs the variant on a copy of 
 that patch applied (`git apply`, paths as in `git diff` from the repository root; a list of
 patches is applied in order), so that
 kernel changes are timed interleaved with the baseline. The first variant is the baseline.
-Writes $OUT/ab.json and prints the comparison table.
+Writes $OUT/ab.json and prints the comparison table. The timed calls have the Z gate on;
+AB_Z=0 in the environment times them with it off (the error sweep keeps it on).
 """
 import json
 import os
@@ -107,7 +108,8 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     for s in official_shapes():
         if shape_filter not in s.name:
             continue
-        a = make_inputs(s, torch.bfloat16, device=dev, seed=1)
+        a = make_inputs(s, torch.bfloat16, os.environ.get("AB_Z", "1") != "0", device=dev,
+                        seed=1)
         a.pop("adt")
         log.clear()
         # the log patches fn.run, which direct launches bypass after a signature's first launch
