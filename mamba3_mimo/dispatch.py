@@ -230,22 +230,32 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
 
 # chunk_output's register cap: 168 registers x 128 threads leave room for three programs of 4
 # warps per SM (65536 registers) where 170-255 left two; measured on the H200 it saves 8-17 % of
-# the whole call on every official shape, although three of them spill 2-20 bytes, and 128 (four
-# programs, up to 208 bytes of spill) was no better (docs/optimisation.md, step 22)
+# the whole call on every official shape, although three of them spill 2-20 bytes
+# (docs/optimisation.md, step 22)
 OUTPUT_MAXNREG = 168
+# Up to this N, 128 registers (four programs per SM, 0-10 bytes of spill): chunk_output 0.88-0.93x
+# at N = 16, 32 and 64, with the Z gate on and off; at N = 128 (44-56 bytes of spill) 1.02x, and
+# at N = 256 (about 180 bytes) 1.6-1.8x (step 57)
+OUTPUT_SMALL_N = 64
+OUTPUT_SMALL_N_MAXNREG = 128
+
+
+def output_maxnreg(N: int) -> int:
+    """chunk_output's register cap for q/k head dim N."""
+    return OUTPUT_SMALL_N_MAXNREG if N <= OUTPUT_SMALL_N else OUTPUT_MAXNREG
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md steps
-    7, 11 and 22): 32-pair N blocks (16 when N/2 is smaller), 64-column P blocks, 4 warps, at
-    most OUTPUT_MAXNREG registers, on every shape of the official grid. The shared-memory check
+    7, 11, 22 and 57): 32-pair N blocks (16 when N/2 is smaller), 64-column P blocks, 4 warps, at
+    most output_maxnreg(N) registers, on every shape of the official grid. The shared-memory check
     falls back to narrower blocks on smaller GPUs. (The chunks per tile, meta["U"], follow C and
     R alone.)"""
     half = pb.N // 2
     out = []
     for BJ, BP in ((32, 64), (16, 32), (16, 16)):
         cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4, num_stages=1,
-                   maxnreg=OUTPUT_MAXNREG)
+                   maxnreg=output_maxnreg(pb.N))
         if cfg not in out:
             out.append(cfg)
     return out

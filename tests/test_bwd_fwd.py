@@ -353,6 +353,19 @@ def test_state_form_rule():
         assert ("state_scan" in plan.describe()) == plan.state_cfg["SCAN"]
 
 
+def test_output_register_cap_rule():
+    """chunk_output's register cap on every official shape and in every fallback config: 128 up
+    to N = OUTPUT_SMALL_N (64), 168 above (docs/optimisation.md, steps 22 and 57)."""
+    from mamba3_mimo import dispatch
+    from mamba3_mimo.inputs import official_shapes
+    for s in official_shapes(B=1, S=64, H=2):
+        pb = _problem(s)
+        want = 128 if s.N <= 64 else 168
+        assert dispatch.select(pb).output_cfg["maxnreg"] == want, s.name
+        assert all(c["maxnreg"] == want
+                   for c in dispatch._output_candidates(pb, dispatch._meta(pb))), s.name
+
+
 @pytest.mark.parametrize("sync", [True, False], ids=["mma_sync", "wgmma"])
 def test_scan_dot_forms(monkeypatch, sync):
     """The fused scan's increment through common.dot_sync (mma.sync) up to N = SCAN_SYNC_MAX_N and
