@@ -5,7 +5,8 @@ rotary cos/sin table), then the states, from N = SCAN_MIN_N (64) up by state_sca
 fused serial scan; its increment's dot on mma.sync up to N = SCAN_SYNC_MAX_N (64), on wgmma
 above), below it by chunk_increment_kernel (chunk-parallel state increments) and
 state_passing_kernel (serial multiply-add over chunks), then chunk_output_kernel
-(chunk-parallel outputs, its later inputs prefetched into L2 where R > 1). Configs depend only
+(chunk-parallel outputs, its later inputs prefetched into L2 where R > 1; at most 128 registers
+up to N = OUTPUT_SMALL_N (64), 168 above). Configs depend only
 on model dimensions (N, P, R, C, dtypes, flags),
 never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
 configs, largest first; the first whose compiled kernel fits the device's shared memory per block
