@@ -2,11 +2,10 @@
 kernel's registers, spills and shared memory (ptxas through cuobjdump), to study register
 pressure without device time. Integer arguments are specialised as the JIT does (1 becomes a
 constant, multiples of 16 are marked), so that the layouts match a GPU build.
-Usage: [PTX_DIR=dir] [STATE_CFG=json] [OUTPUT_CFG=json] [META=json] [NO_Z=1]
-python scripts/offline_resources.py B S H G N P R C [impl]
-(PTX_DIR: also write each kernel's PTX and TTGIR there; STATE_CFG / OUTPUT_CFG: entries that
-override the first config of the state pass / chunk_output, as in scripts/ab.py; META: entries
-of dispatch._meta, e.g. '{"PREFETCH": 0}'; NO_Z=1: the Z gate off)"""
+Usage: [PTX_DIR=dir] [VARIANT=json] [NO_Z=1] python scripts/offline_resources.py B S H G N P R C [impl]
+(PTX_DIR: also write each kernel's PTX and TTGIR there; VARIANT: one variant in scripts/ab.py's
+form, e.g. '{"output_cfg": {"maxnreg": 128}, "meta": {"PREFETCH": 0}}', applied as ab.py applies
+it; NO_Z=1: the Z gate off)"""
 import inspect
 import json
 import os
@@ -81,23 +80,13 @@ def _patch() -> None:
     launcher.DIRECT = False
 
 
-def _overrides() -> None:
-    """The environment's STATE_CFG, OUTPUT_CFG and META overrides (see the module docstring)."""
-    for var, name in (("STATE_CFG", "_state_candidates"), ("OUTPUT_CFG", "_output_candidates")):
-        if os.environ.get(var):
-            over, orig = json.loads(os.environ[var]), getattr(dispatch, name)
-            setattr(dispatch, name, lambda pb, m, orig=orig, over=over:
-                    [dict(orig(pb, m)[0], **over)] + orig(pb, m)[1:])
-    if os.environ.get("META"):
-        over, meta = json.loads(os.environ["META"]), dispatch._meta
-        dispatch._meta = lambda pb: dict(meta(pb), **over)
-
-
 def main():
     dims = [int(x) for x in sys.argv[1:9]]
     impl = sys.argv[9] if len(sys.argv) > 9 else "chunked"
     _patch()
-    _overrides()
+    if os.environ.get("VARIANT"):
+        import ab  # this script's folder is on sys.path
+        ab.apply(dict(json.loads(os.environ["VARIANT"]), name="VARIANT"))
     s = Shape(*dims)
     a = make_inputs(s, torch.bfloat16, os.environ.get("NO_Z") != "1", seed=0)
     a.pop("adt")
