@@ -5,8 +5,9 @@ rotary cos/sin table), then the states, from N = SCAN_MIN_N (64) up by state_sca
 fused serial scan; its increment's dot on mma.sync up to N = SCAN_SYNC_MAX_N (64), on wgmma
 above), below it by chunk_increment_kernel (chunk-parallel state increments) and
 state_passing_kernel (serial multiply-add over chunks), then chunk_output_kernel
-(chunk-parallel outputs, its later inputs prefetched into L2 where R > 1; at most 128 registers
-up to N = OUTPUT_SMALL_N (64), 168 above). Configs depend only
+(chunk-parallel outputs; at most 128 registers up to N = OUTPUT_SMALL_N (64) and at N = 128 with
+R = 3-4 and C <= 16, 168 elsewhere; its later inputs prefetched into L2 where R > 1, except at
+N = 128 with 128 registers: output_small). Configs depend only
 on model dimensions (N, P, R, C, dtypes, flags),
 never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
 configs, largest first; the first whose compiled kernel fits the device's shared memory per block
@@ -167,10 +168,8 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
                 ALIGN=4,
                 OPAQUE=not interpret,  # common.opaque: inline assembly, GPU only
                 SCAN_SYNC=N <= SCAN_SYNC_MAX_N,
-                # common.prefetch into L2 (inline assembly, GPU only); at R = 1 it made
-                # chunk_output 8 % slower, and 5 % without the segsum block
-                # (docs/optimisation.md, steps 46 and 52)
-                PREFETCH=0 if interpret or R == 1 else 2)
+                # common.prefetch into L2 (inline assembly, GPU only)
+                PREFETCH=2 if not interpret and output_prefetch(N, R, C) else 0)
 
 
 def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
@@ -238,25 +237,41 @@ OUTPUT_MAXNREG = 168
 # at N = 16, 32 and 64, with the Z gate on and off; at N = 128 (44-56 bytes of spill) 1.02x, and
 # at N = 256 (about 180 bytes) 1.6-1.8x (step 57)
 OUTPUT_SMALL_N = 64
-OUTPUT_SMALL_N_MAXNREG = 128
+OUTPUT_SMALL_MAXNREG = 128
 
 
-def output_maxnreg(N: int) -> int:
-    """chunk_output's register cap for q/k head dim N."""
-    return OUTPUT_SMALL_N_MAXNREG if N <= OUTPUT_SMALL_N else OUTPUT_MAXNREG
+def output_small(N: int, R: int, C: int) -> bool:
+    """Whether chunk_output runs with OUTPUT_SMALL_MAXNREG registers (four programs per SM): up
+    to N = OUTPUT_SMALL_N, and at N = 128 with three or four ranks and chunks of at most 16
+    steps, where it drops the L2 prefetch to make room (output_prefetch). There it spills 4-20
+    bytes and measured 0.95x; at R = 1, 2 and 8 it spills 58-102 bytes and measured 1.05x
+    (docs/optimisation.md, step 58)."""
+    return N <= OUTPUT_SMALL_N or (N == 128 and _pow2(R, 1) == 4 and C <= 16)
+
+
+def output_maxnreg(N: int, R: int, C: int) -> int:
+    """chunk_output's register cap for q/k head dim N, rank R and chunk size C."""
+    return OUTPUT_SMALL_MAXNREG if output_small(N, R, C) else OUTPUT_MAXNREG
+
+
+def output_prefetch(N: int, R: int, C: int) -> bool:
+    """Whether chunk_output prefetches its later inputs into L2 (common.prefetch): not at R = 1,
+    where it made the kernel 8 % slower, and 5 % without the segsum block (steps 46 and 52), nor
+    where 128 registers above N = OUTPUT_SMALL_N need the registers it takes (step 58)."""
+    return R > 1 and not (N > OUTPUT_SMALL_N and output_small(N, R, C))
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md steps
     7, 11, 22 and 57): 32-pair N blocks (16 when N/2 is smaller), 64-column P blocks, 4 warps, at
-    most output_maxnreg(N) registers, on every shape of the official grid. The shared-memory check
+    most output_maxnreg(N, R, C) registers, on every shape of the official grid. The shared-memory check
     falls back to narrower blocks on smaller GPUs. (The chunks per tile, meta["U"], follow C and
     R alone.)"""
     half = pb.N // 2
     out = []
     for BJ, BP in ((32, 64), (16, 32), (16, 16)):
         cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4, num_stages=1,
-                   maxnreg=output_maxnreg(pb.N))
+                   maxnreg=output_maxnreg(pb.N, pb.R, pb.C))
         if cfg not in out:
             out.append(cfg)
     return out

@@ -354,16 +354,24 @@ def test_state_form_rule():
 
 
 def test_output_register_cap_rule():
-    """chunk_output's register cap on every official shape and in every fallback config: 128 up
-    to N = OUTPUT_SMALL_N (64), 168 above (docs/optimisation.md, steps 22 and 57)."""
+    """chunk_output's register cap and L2 prefetch on every official shape and in every fallback
+    config: 128 registers up to N = OUTPUT_SMALL_N (64) and at N = 128 with R = 4 and C <= 16
+    (there without the prefetch), 168 elsewhere; the prefetch wherever R > 1 and the cap is 168
+    or N <= 64 (docs/optimisation.md, steps 22, 46, 57 and 58)."""
     from mamba3_mimo import dispatch
     from mamba3_mimo.inputs import official_shapes
+    small = {"N16_P64_R4_C8", "N32_P64_R4_C16", "N64_P64_R4_C16", "N64_P128_R4_C16",
+             "N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8"}
     for s in official_shapes(B=1, S=64, H=2):
         pb = _problem(s)
-        want = 128 if s.N <= 64 else 168
+        want = 128 if s.name in small else 168
+        assert dispatch.output_maxnreg(s.N, s.R, s.C) == want, s.name
         assert dispatch.select(pb).output_cfg["maxnreg"] == want, s.name
         assert all(c["maxnreg"] == want
                    for c in dispatch._output_candidates(pb, dispatch._meta(pb))), s.name
+        want_prefetch = s.R > 1 and (s.N <= 64 or want == 168)
+        assert dispatch.output_prefetch(s.N, s.R, s.C) == want_prefetch, s.name
+    assert not dispatch.output_small(128, 4, 32) and dispatch.output_small(128, 3, 16)
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["mma_sync", "wgmma"])
