@@ -230,12 +230,12 @@ def _state_candidates(pb: Problem, m: dict) -> List[dict]:
 
 # chunk_output's register cap: 168 registers x 128 threads leave room for three programs of 4
 # warps per SM (65536 registers) where 170-255 left two; measured on the H200 it saves 8-17 % of
-# the whole call on every official shape, although three of them spill 2-20 bytes
+# the whole call on every official shape, although three of them spill (2-20 words of local memory)
 # (docs/optimisation.md, step 22)
 OUTPUT_MAXNREG = 168
-# Up to this N, 128 registers (four programs per SM, 0-10 bytes of spill): chunk_output 0.88-0.93x
-# at N = 16, 32 and 64, with the Z gate on and off; at N = 128 (44-56 bytes of spill) 1.02x, and
-# at N = 256 (about 180 bytes) 1.6-1.8x (step 57)
+# Up to this N, 128 registers (four programs per SM, 16-40 bytes of local memory per thread):
+# chunk_output 0.88-0.93x at N = 16, 32 and 64, with the Z gate on and off; at N = 128 with the L2
+# prefetch (176-224 bytes) 1.02x, and at N = 256 (688 bytes) 1.6-1.8x (steps 57 and 58)
 OUTPUT_SMALL_N = 64
 OUTPUT_SMALL_MAXNREG = 128
 
@@ -243,9 +243,9 @@ OUTPUT_SMALL_MAXNREG = 128
 def output_small(N: int, R: int, C: int) -> bool:
     """Whether chunk_output runs with OUTPUT_SMALL_MAXNREG registers (four programs per SM): up
     to N = OUTPUT_SMALL_N, and at N = 128 with three or four ranks and chunks of at most 16
-    steps, where it drops the L2 prefetch to make room (output_prefetch). There it spills 4-20
-    bytes and measured 0.95x; at R = 1, 2 and 8 it spills 58-102 bytes and measured 1.05x
-    (docs/optimisation.md, step 58)."""
+    steps, where it drops the L2 prefetch to make room (output_prefetch). There it spills 16-80
+    bytes per thread and measured 0.95x; at R = 1, 2 and 8 it spills 232-408 bytes and measured
+    1.05x (docs/optimisation.md, step 58)."""
     return N <= OUTPUT_SMALL_N or (N == 128 and _pow2(R, 1) == 4 and C <= 16)
 
 
@@ -263,10 +263,10 @@ def output_prefetch(N: int, R: int, C: int) -> bool:
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md steps
-    7, 11, 22 and 57): 32-pair N blocks (16 when N/2 is smaller), 64-column P blocks, 4 warps, at
-    most output_maxnreg(N, R, C) registers, on every shape of the official grid. The shared-memory check
-    falls back to narrower blocks on smaller GPUs. (The chunks per tile, meta["U"], follow C and
-    R alone.)"""
+    7, 11, 22, 57 and 58): 32-pair N blocks (16 when N/2 is smaller; 16 at N = 256 measured 1.15x
+    slower), 64-column P blocks, 4 warps, at most output_maxnreg(N, R, C) registers, on every
+    shape of the official grid. The shared-memory check falls back to narrower blocks on smaller
+    GPUs. (The chunks per tile, meta["U"], follow C and R alone.)"""
     half = pb.N // 2
     out = []
     for BJ, BP in ((32, 64), (16, 32), (16, 16)):

@@ -75,7 +75,8 @@ def apply(variant: dict) -> None:
 
 
 def launched_kernels() -> list:
-    """Record (name, registers, spills) of every compiled kernel launched from now on."""
+    """Record (name, registers, spills) of every compiled kernel launched from now on; spills is
+    Triton's n_spills, the local memory per thread in 4-byte words (bytes / 4)."""
     from test_gpu import kernel_functions
     log = []
     for fn in kernel_functions():
