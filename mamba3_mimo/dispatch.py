@@ -169,10 +169,7 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
                 OPAQUE=not interpret,  # common.opaque: inline assembly, GPU only
                 SCAN_SYNC=N <= SCAN_SYNC_MAX_N,
                 # common.prefetch into L2 (inline assembly, GPU only)
-                PREFETCH=2 if not interpret and output_prefetch(N, R, C) else 0,
-                # step_terms_kernel: steps per program and warps (Triton's default), as since
-                # step 7; named here so that an A/B can vary them (optimisation.md, next steps)
-                STEP_BS=32, STEP_WARPS=4)
+                PREFETCH=2 if not interpret and output_prefetch(N, R, C) else 0)
 
 
 def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:
