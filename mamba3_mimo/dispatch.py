@@ -7,12 +7,12 @@ above), below it by chunk_increment_kernel (chunk-parallel state increments) and
 state_passing_kernel (serial multiply-add over chunks), then chunk_output_kernel
 (chunk-parallel outputs; at most 128 registers up to N = OUTPUT_SMALL_N (64) and at N = 128 with
 R = 3-4 and C <= 16, 168 elsewhere; its later inputs prefetched into L2 where R > 1, except at
-N = 128 with 128 registers: output_small). Configs depend only
-on model dimensions (N, P, R, C, dtypes, flags),
-never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
-configs, largest first; the first whose compiled kernel fits the device's shared memory per block
-(shared_memory_per_block_optin, or `smem_limit_override`) is used and cached. "stage0" is the
-baseline, never chosen by "auto".
+N = 128 with 128 registers: output_small; at P = 65-128 one program takes both 64-column P
+blocks, at 168 registers: output_p_blocks). Configs depend only on model dimensions (N, P, R, C,
+dtypes, flags), never on B or S, so a new batch or length never recompiles. Each kernel has a
+list of candidate configs, largest first; the first whose compiled kernel fits the device's shared
+memory per block (shared_memory_per_block_optin, or `smem_limit_override`) is used and cached.
+"stage0" is the baseline, never chosen by "auto".
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ class Plan:
         s, o = self.state_cfg, self.output_cfg
         state = "state_scan" if s["SCAN"] else "chunk_increment"
         return (f"chunked ({state} BJ={s['BJ']} BP={s['BP']}; "
-                f"chunk_output BJ={o['BJ']} BP={o['BP']} U={self.tile_chunks}"
+                f"chunk_output BJ={o['BJ']} BP={o['BP']}"
+                + (f"x{o['PB']}" if o["PB"] > 1 else "") + f" U={self.tile_chunks}"
                 + (f"; sub-chunks of {self.sub_chunk}" if self.sub_chunk else "") + ")")
 
 
@@ -254,6 +255,20 @@ def output_maxnreg(N: int, R: int, C: int) -> int:
     return OUTPUT_SMALL_MAXNREG if output_small(N, R, C) else OUTPUT_MAXNREG
 
 
+# Where P takes two 64-column blocks, one chunk_output program does both (PB = 2): the scores of
+# a tile are computed once instead of once per block. With 168 registers (three programs per SM;
+# at 128 it spills 264-328 bytes) chunk_output measured 0.90x at N128_P128_R4_C8 and 0.94x at
+# N64_P128_R4_C16 (docs/optimisation.md, step 60)
+OUTPUT_PAIRED_P = (64, 128)
+
+
+def output_p_blocks(P: int) -> int:
+    """P blocks per chunk_output program in the preferred config (64-column blocks): 2 where P
+    takes two of them, else 1."""
+    lo, hi = OUTPUT_PAIRED_P
+    return 2 if lo < P <= hi else 1
+
+
 def output_prefetch(N: int, R: int, C: int) -> bool:
     """Whether chunk_output prefetches its later inputs into L2 (common.prefetch): not at R = 1,
     where it made the kernel 8 % slower, and 5 % without the segsum block (steps 46 and 52), nor
@@ -263,15 +278,20 @@ def output_prefetch(N: int, R: int, C: int) -> bool:
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md steps
-    7, 11, 22, 57 and 58): 32-pair N blocks (16 when N/2 is smaller; 16 at N = 256 measured 1.15x
-    slower), 64-column P blocks, 4 warps, at most output_maxnreg(N, R, C) registers, on every
-    shape of the official grid. The shared-memory check falls back to narrower blocks on smaller
-    GPUs. (The chunks per tile, meta["U"], follow C and R alone.)"""
+    7, 11, 22, 57, 58 and 60): 32-pair N blocks (16 when N/2 is smaller; 16 at N = 256 measured
+    1.15x slower), 64-column P blocks, 4 warps, at most output_maxnreg(N, R, C) registers, on
+    every shape of the official grid; first, where P takes two such blocks, both in one program
+    with OUTPUT_MAXNREG registers (output_p_blocks). The shared-memory check falls back to
+    narrower blocks on smaller GPUs. (The chunks per tile, meta["U"], follow C and R alone.)"""
     half = pb.N // 2
     out = []
+    PB = output_p_blocks(pb.P)
+    if PB > 1:
+        out.append(dict(BJ=min(32, _pow2(half)), BP=64, PB=PB, num_warps=4, num_stages=1,
+                        maxnreg=OUTPUT_MAXNREG))
     for BJ, BP in ((32, 64), (16, 32), (16, 16)):
-        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), num_warps=4, num_stages=1,
-                   maxnreg=output_maxnreg(pb.N, pb.R, pb.C))
+        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), PB=1, num_warps=4,
+                   num_stages=1, maxnreg=output_maxnreg(pb.N, pb.R, pb.C))
         if cfg not in out:
             out.append(cfg)
     return out

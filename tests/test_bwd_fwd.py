@@ -356,8 +356,9 @@ def test_state_form_rule():
 def test_output_register_cap_rule():
     """chunk_output's register cap and L2 prefetch on every official shape and in every fallback
     config: 128 registers up to N = OUTPUT_SMALL_N (64) and at N = 128 with R = 4 and C <= 16
-    (there without the prefetch), 168 elsewhere; the prefetch wherever R > 1 and the cap is 168
-    or N <= 64 (docs/optimisation.md, steps 22, 46, 57 and 58)."""
+    (there without the prefetch), 168 elsewhere and in the config that takes both P blocks of
+    P = 128; the prefetch wherever R > 1 and output_maxnreg is 168 or N <= 64
+    (docs/optimisation.md, steps 22, 46, 57, 58 and 60)."""
     from mamba3_mimo import dispatch
     from mamba3_mimo.inputs import official_shapes
     small = {"N16_P64_R4_C8", "N32_P64_R4_C16", "N64_P64_R4_C16", "N64_P128_R4_C16",
@@ -366,12 +367,45 @@ def test_output_register_cap_rule():
         pb = _problem(s)
         want = 128 if s.name in small else 168
         assert dispatch.output_maxnreg(s.N, s.R, s.C) == want, s.name
-        assert dispatch.select(pb).output_cfg["maxnreg"] == want, s.name
-        assert all(c["maxnreg"] == want
-                   for c in dispatch._output_candidates(pb, dispatch._meta(pb))), s.name
+        cfgs = dispatch._output_candidates(pb, dispatch._meta(pb))
+        assert dispatch.select(pb).output_cfg == cfgs[0], s.name
+        paired = s.P == 128
+        assert [c["PB"] for c in cfgs][:2] == ([2, 1] if paired else [1, 1]), s.name
+        assert cfgs[0]["maxnreg"] == (168 if paired else want), s.name
+        assert all(c["maxnreg"] == want for c in cfgs[paired:]), s.name
         want_prefetch = s.R > 1 and (s.N <= 64 or want == 168)
         assert dispatch.output_prefetch(s.N, s.R, s.C) == want_prefetch, s.name
     assert not dispatch.output_small(128, 4, 32) and dispatch.output_small(128, 3, 16)
+
+
+@pytest.mark.parametrize("P, pb", [(128, 2), (80, 2), (65, 2), (64, 1), (48, 1)])
+def test_output_p_blocks_per_program(monkeypatch, P, pb):
+    """Where P takes two 64-column blocks (65-128), the dispatcher's first chunk_output config
+    has one program take both (PB = 2, half the programs along P); the outputs stay within the
+    thresholds with PB = 2, where the second block may be partial or all masked but one column,
+    and with the one-block-per-program fallback that a smaller shared memory would select. A
+    PB = 2 run repeats bit for bit."""
+    from mamba3_mimo import dispatch
+    shape = Shape(1, 40, 2, 1, 16, P, 2, 16)  # three chunks, the last one partial
+    assert dispatch.output_p_blocks(P) == pb
+    cfgs = dispatch._output_candidates(_problem(shape), dispatch._meta(_problem(shape)))
+    assert cfgs[0]["PB"] == pb and all(c["PB"] == 1 for c in cfgs[1:])
+    assert dispatch.select(_problem(shape)).output_cfg["PB"] == pb
+    if pb == 1:
+        return
+    args, golden, bench = problem(shape, FP32, True, True)
+    candidates = dispatch._output_candidates
+    for first in (0, 1):
+        monkeypatch.setattr(dispatch, "_output_candidates",
+                            lambda pb_, m, first=first: candidates(pb_, m)[first:])
+        dispatch.clear_caches()
+        assert dispatch.select(_problem(shape)).output_cfg["PB"] == (2 if first == 0 else 1)
+        outs = run_op(args, "chunked", output_dtype=BF16)
+        check_outputs(outs, golden, bench, FP32, BF16)
+        if first == 0:
+            again = run_op(args, "chunked", output_dtype=BF16)
+            assert all(torch.equal(x, y) for x, y in zip(outs, again) if x is not None)
+    dispatch.clear_caches()
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["mma_sync", "wgmma"])

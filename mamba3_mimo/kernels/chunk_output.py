@@ -26,9 +26,10 @@ from .step_terms import GAMMA, K_DECAY, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 @triton.jit
 def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_off, rows,
                 qb_ptr, kb_ptr, bias_off, st, p, pm, j0, HALF, RD, sqn, skn, P, BJ: tl.constexpr,
-                ROTATE: tl.constexpr, PREC: tl.constexpr, OPAQUE: tl.constexpr):
-    """scores += Qr Kr^T and inter^T += states^T Qr^T over the pair columns j0..j0+BJ; pm says
-    which state columns to load."""
+                ROTATE: tl.constexpr, PREC: tl.constexpr, OPAQUE: tl.constexpr,
+                SCORES: tl.constexpr):
+    """scores += Qr Kr^T (SCORES) and inter^T += states^T Qr^T over the pair columns
+    j0..j0+BJ; pm says which state columns to load."""
     cos, sin = 0.0, 0.0
     if ROTATE:
         cos, sin = load_cos_sin(cos_ptr, sin_ptr, cs_off, rows, j0, BJ, RD)
@@ -37,9 +38,10 @@ def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_
     # rotate, then convert once: otherwise Triton moves the conversion to the dot's register
     # layout back onto each of the six loads (q, bias, cos, sin)
     q1, q2 = opaque(q1, OPAQUE), opaque(q2, OPAQUE)
-    k1, k2 = load_rotated(k_ptr, k_off, rows, kb_ptr, bias_off, cos, sin, j0, BJ, HALF, skn,
-                          ROTATE)
-    scores = mac(mac(scores, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
+    if SCORES:
+        k1, k2 = load_rotated(k_ptr, k_off, rows, kb_ptr, bias_off, cos, sin, j0, BJ, HALF, skn,
+                              ROTATE)
+        scores = mac(mac(scores, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
     j = j0 + tl.arange(0, BJ)
     sm = (j < HALF)[:, None] & pm[None, :]
     s_off = j[:, None] * P + p[None, :]
@@ -62,9 +64,10 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
-                        BA: tl.constexpr, PREFETCH: tl.constexpr):
-    """Tile o of one (b, h) and P block: chunks o*U .. o*U + U - 1 (those < nc), TP >= U*C steps.
-    sqb, skb, svb, sgb, sgh come divided by BA (kernels.input_align)."""
+                        BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr):
+    """Tile o of one (b, h) and PB consecutive P blocks: chunks o*U .. o*U + U - 1 (those < nc),
+    TP >= U*C steps. The scores are computed once for the PB blocks. sqb, skb, svb, sgb, sgh
+    come divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
     # the last tiles first: the state pass wrote their states last, so those are the ones
     # still in L2 when this kernel starts (docs/optimisation.md, step 53)
@@ -78,11 +81,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     steps = tl.minimum(U * C, S_pad - t0)  # steps of the tile that exist
     rows = (t < steps) & (r < R)
     tg = t0 + t
-    p = pid_p * BP + tl.arange(0, BP)
-    pm = p < P
+    p0 = pid_p * PB * BP  # the program's first column
     row = bh * S_pad
-    scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
-    inter = tl.zeros([BP, TP * RP], dtype=tl.float32)  # transposed
     st = states + (bh * nc + o * U) * N * P
     qx, q_off = q + b * (sqb * BA) + g * sqg, tg * sqs + r * sqr
     kx, k_off = k + b * (skb * BA) + g * skg, tg * sks + r * skr
@@ -96,42 +96,57 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         if kind != K_DECAY and (U > 1 or kind < LOG_Q):
             prefetch(terms + kind * plane + row + t0, tt, ts_ok, PREFETCH)
     out_ok = ts_ok & (t0 + tt < S)  # steps with a dout, z and dz row
-    prefetch_steps(v + vh, (t0 + tt) * svs, ts_ok, pid_p * BP, svp, BP, PREFETCH)
-    prefetch_steps(dout + vh, (t0 + tt) * svs, out_ok, pid_p * BP, svp, BP, PREFETCH)
-    if HAS_Z:
-        prefetch_steps(z + vh, (t0 + tt) * svs, out_ok, pid_p * BP, svp, BP, PREFETCH)
-    # Unrolled: the loads of every pair block are issued together, so the program waits for
-    # memory about once instead of once per block (docs/optimisation.md, step 3).
-    for j0 in tl.static_range(0, HALF, BJ):
-        scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, cos + row * RD,
-                                    sin + row * RD, tg * RD, rows, q_bias + h * R * N,
-                                    k_bias + h * R * N, r * N, st, p, pm, j0, HALF, RD, sqn,
-                                    skn, P, BJ, j0 < RD, PREC, OPAQUE)
-    store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r, rows & (tg < S) & (pid_p == 0),
-                 R, RP, TP * RP, EXACT, True)
-    gamma = tl.load(terms + GAMMA * plane + row + t0 + tt, mask=ts_ok, other=0.0)
-    trap_scale = tl.load(terms + TRAP_SCALE * plane + row + t0 + tt, mask=ts_ok, other=0.0)
-    log_q, log_k = 0.0, 0.0
-    if U > 1:
-        log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
-        log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
-    w = tile_weights(seg, log_q, log_k, tt, ts_ok, C, gamma, trap_scale, RP, U)
-    psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, ts_ok,
-                             mimo_v + h * R * P, R, p, pm, P, svp, RP)
-    q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
-    psi_t = tl.trans(psi_v)
-    raw_t = dot(psi_t, tl.trans(scores * w), PREC) + q_decay[None, :] * inter
-    if HAS_D:
-        raw_t += tl.load(d + h) * psi_t
-    # [BP, TP * RP] -> [TP, RP, BP]: a relabelling of the dot's layout, no data movement
-    raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
-    sum_o, sum_z = gate_epilogue_steps(raw, dout + vh, z + vh,
-                                       (t0 + tt) * svs, out_ok,
-                                       mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P, svp,
-                                       dz + (b * S * H + h) * P, (t0 + tt) * H * P, HAS_Z,
-                                       2 if OPAQUE else 1)  # the sigmoid's form: inline asm
-    part = (bh * n_tiles + o) * R * P
-    store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
+    for pp in tl.static_range(PB):
+        blk_ok = p0 + pp * BP < P
+        prefetch_steps(v + vh, (t0 + tt) * svs, ts_ok & blk_ok, p0 + pp * BP, svp, BP, PREFETCH)
+        prefetch_steps(dout + vh, (t0 + tt) * svs, out_ok & blk_ok, p0 + pp * BP, svp, BP,
+                       PREFETCH)
+        if HAS_Z:
+            prefetch_steps(z + vh, (t0 + tt) * svs, out_ok & blk_ok, p0 + pp * BP, svp, BP,
+                           PREFETCH)
+    scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
+    sw_t = scores  # (scores * w)^T, once the scores are complete
+    q_decay = tl.zeros([TP * RP], dtype=tl.float32)
+    for pp in tl.static_range(PB):
+        p = p0 + pp * BP + tl.arange(0, BP)
+        pm = p < P
+        inter = tl.zeros([BP, TP * RP], dtype=tl.float32)  # transposed
+        # Unrolled: the loads of every pair block are issued together, so the program waits
+        # for memory about once instead of once per block (docs/optimisation.md, step 3). The
+        # scores come with the first P block; later ones read q again, not k.
+        for j0 in tl.static_range(0, HALF, BJ):
+            scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, cos + row * RD,
+                                        sin + row * RD, tg * RD, rows, q_bias + h * R * N,
+                                        k_bias + h * R * N, r * N, st, p, pm, j0, HALF, RD,
+                                        sqn, skn, P, BJ, j0 < RD, PREC, OPAQUE, pp == 0)
+        if pp == 0:
+            store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r,
+                         rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT, True)
+            gamma = tl.load(terms + GAMMA * plane + row + t0 + tt, mask=ts_ok, other=0.0)
+            trap_scale = tl.load(terms + TRAP_SCALE * plane + row + t0 + tt, mask=ts_ok,
+                                 other=0.0)
+            log_q, log_k = 0.0, 0.0
+            if U > 1:
+                log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
+                log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
+            w = tile_weights(seg, log_q, log_k, tt, ts_ok, C, gamma, trap_scale, RP, U)
+            sw_t = tl.trans(scores * w)
+            q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
+        psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, ts_ok,
+                                 mimo_v + h * R * P, R, p, pm, P, svp, RP)
+        psi_t = tl.trans(psi_v)
+        raw_t = dot(psi_t, sw_t, PREC) + q_decay[None, :] * inter
+        if HAS_D:
+            raw_t += tl.load(d + h) * psi_t
+        # [BP, TP * RP] -> [TP, RP, BP]: a relabelling of the dot's layout, no data movement
+        raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
+        sum_o, sum_z = gate_epilogue_steps(raw, dout + vh, z + vh,
+                                           (t0 + tt) * svs, out_ok,
+                                           mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P,
+                                           svp, dz + (b * S * H + h) * P, (t0 + tt) * H * P,
+                                           HAS_Z, 2 if OPAQUE else 1)  # the sigmoid: inline asm
+        part = (bh * n_tiles + o) * R * P
+        store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
 
 
 @triton.jit(do_not_specialize=["n_bh", "n_tiles", "s_part"])
@@ -158,8 +173,9 @@ def rank_sums_kernel(parts, sums, n_bh, n_tiles, s_part, RP_SIZE: tl.constexpr,
 def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
     """The launch that writes qk_dot, dz and the dmimo partial sums, reading chunk_state's
     states (the `states` output with meta["OUT_STATES"], else the fp32 copy in out["inc"]) and
-    step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ, BP, num_warps, num_stages,
-    maxnreg; meta["U"] the chunks per tile, meta["TPO"] its padded steps.
+    step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ, BP, PB (P blocks per
+    program), num_warps, num_stages, maxnreg; meta["U"] the chunks per tile, meta["TPO"] its
+    padded steps.
 
     out["part_o"], out["part_z"]: [B*H, n_tiles, R, P] fp32 scratch, n_tiles = cdiv(nc, U),
     views of out["parts"] ([n_sums, B, H, n_tiles, R, P]); then the launch that reduces them over
@@ -168,7 +184,7 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
     m = meta
     B, H = m["B"], m["H"]
     n_tiles = cdiv(m["nc"], m["U"])
-    grid = (B * H, n_tiles, cdiv(m["P"], cfg["BP"]))
+    grid = (B * H, n_tiles, cdiv(m["P"], cfg["BP"] * cfg["PB"]))
     seg = a["segsum"]
     qs, ks, vs, gs = a["q"].stride(), a["k"].stride(), a["v"].stride(), seg.stride()
     BA = input_align(m["ALIGN"], a["q"], a["k"], a["v"], seg)
@@ -181,7 +197,7 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
         qs[0] // BA, *qs[1:], ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], gs[0] // BA,
         gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
         m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"], BA, m["PREFETCH"])
+        m["OPAQUE"], BA, m["PREFETCH"], cfg["PB"])
     parts, sums, RP = out["parts"], out["dmimo"], m["R"] * m["P"]
     BLOCK = min(128, next_pow2(RP))
     return [Launch(chunk_output_kernel, grid, args, dict(
