@@ -105,8 +105,6 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
             prefetch_steps(z + vh, (t0 + tt) * svs, out_ok & blk_ok, p0 + pp * BP, svp, BP,
                            PREFETCH)
     scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
-    sw_t = scores  # (scores * w)^T, once the scores are complete
-    q_decay = tl.zeros([TP * RP], dtype=tl.float32)
     for pp in tl.static_range(PB):
         p = p0 + pp * BP + tl.arange(0, BP)
         pm = p < P
@@ -130,7 +128,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                 log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
                 log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
             w = tile_weights(seg, log_q, log_k, tt, ts_ok, C, gamma, trap_scale, RP, U)
-            sw_t = tl.trans(scores * w)
+            sw_t = tl.trans(scores * w)  # the weighted scores, for every P block
             q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
         psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, ts_ok,
                                  mimo_v + h * R * P, R, p, pm, P, svp, RP)
