@@ -64,7 +64,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
-                        BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr):
+                        BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr,
+                        WF: tl.constexpr):
     """Tile o of one (b, h) and PB consecutive P blocks: chunks o*U .. o*U + U - 1 (those < nc),
     TP >= U*C steps. The scores are computed once for the PB blocks. sqb, skb, svb, sgb, sgh
     come divided by BA (kernels.input_align)."""
@@ -82,6 +83,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     rows = (t < steps) & (r < R)
     tg = t0 + t
     p0 = pid_p * PB * BP  # the program's first column
+    p = p0 + tl.arange(0, BP)  # the columns of its first block
+    pm = p < P
     row = bh * S_pad
     st = states + (bh * nc + o * U) * N * P
     qx, q_off = q + b * (sqb * BA) + g * sqg, tg * sqs + r * sqr
@@ -106,8 +109,9 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                            PREFETCH)
     scores = tl.zeros([TP * RP, TP * RP], dtype=tl.float32)
     for pp in tl.static_range(PB):
-        p = p0 + pp * BP + tl.arange(0, BP)
-        pm = p < P
+        if pp > 0:
+            p += BP
+            pm = p < P
         inter = tl.zeros([BP, TP * RP], dtype=tl.float32)  # transposed
         # Unrolled: the loads of every pair block are issued together, so the program waits
         # for memory about once instead of once per block (docs/optimisation.md, step 3). The
@@ -128,11 +132,18 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                 log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
                 log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
             w = tile_weights(seg, log_q, log_k, tt, ts_ok, C, gamma, trap_scale, RP, U)
-            sw_t = tl.trans(scores * w)  # the weighted scores, for every P block
-            q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
+            if WF:
+                sw_t = tl.trans(scores * w)
         psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, ts_ok,
                                  mimo_v + h * R * P, R, p, pm, P, svp, RP)
+        # WF: scores * w before the psi_v loads; no spill at N <= 64 but 144 bytes instead of
+        # 64 at N128_P64_R4_C16 (docs/optimisation.md, step 61)
+        if pp == 0:
+            q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
         psi_t = tl.trans(psi_v)
+        if pp == 0:
+            if not WF:
+                sw_t = tl.trans(scores * w)
         raw_t = dot(psi_t, sw_t, PREC) + q_decay[None, :] * inter
         if HAS_D:
             raw_t += tl.load(d + h) * psi_t
@@ -195,7 +206,7 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
         qs[0] // BA, *qs[1:], ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], gs[0] // BA,
         gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
         m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"], BA, m["PREFETCH"], cfg["PB"])
+        m["OPAQUE"], BA, m["PREFETCH"], cfg["PB"], cfg["WF"])
     parts, sums, RP = out["parts"], out["dmimo"], m["R"] * m["P"]
     BLOCK = min(128, next_pow2(RP))
     return [Launch(chunk_output_kernel, grid, args, dict(
