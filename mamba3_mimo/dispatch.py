@@ -287,14 +287,10 @@ def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     out = []
     PB = output_p_blocks(pb.P)
     if PB > 1:
-        out.append(dict(BJ=min(32, _pow2(half)), BP=64, PB=PB, WF=True, num_warps=4,
-                        num_stages=1, maxnreg=OUTPUT_MAXNREG))
-    # WF: the weighted scores before the psi_v loads; register allocation alone decides: 144
-    # bytes of spill instead of 64 where N > 64 runs with 128 registers, less elsewhere
-    # (docs/optimisation.md, step 61)
-    wf = not (pb.N > OUTPUT_SMALL_N and output_small(pb.N, pb.R, pb.C))
+        out.append(dict(BJ=min(32, _pow2(half)), BP=64, PB=PB, num_warps=4, num_stages=1,
+                        maxnreg=OUTPUT_MAXNREG))
     for BJ, BP in ((32, 64), (16, 32), (16, 16)):
-        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), PB=1, WF=wf, num_warps=4,
+        cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), PB=1, num_warps=4,
                    num_stages=1, maxnreg=output_maxnreg(pb.N, pb.R, pb.C))
         if cfg not in out:
             out.append(cfg)

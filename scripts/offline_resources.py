@@ -2,10 +2,10 @@
 kernel's registers, spills and shared memory (ptxas through cuobjdump), to study register
 pressure without device time. Integer arguments are specialised as the JIT does (1 becomes a
 constant, multiples of 16 are marked), so that the layouts match a GPU build.
-Usage: [PTX_DIR=dir] [VARIANT=json] [NO_Z=1] python scripts/offline_resources.py B S H G N P R C [impl]
+Usage: [PTX_DIR=dir] [VARIANT=json] [NO_Z=1] [OUT_F32=1] python scripts/offline_resources.py B S H G N P R C [impl]
 (PTX_DIR: also write each kernel's PTX and TTGIR there; VARIANT: one variant in scripts/ab.py's
 form, e.g. '{"output_cfg": {"maxnreg": 128}, "meta": {"PREFETCH": 0}}', applied as ab.py applies
-it; NO_Z=1: the Z gate off)"""
+it; NO_Z=1: the Z gate off; OUT_F32=1: float32 outputs instead of bfloat16)"""
 import inspect
 import json
 import os
@@ -90,7 +90,8 @@ def main():
     s = Shape(*dims)
     a = make_inputs(s, torch.bfloat16, os.environ.get("NO_Z") != "1", seed=0)
     a.pop("adt")
-    api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl=impl)
+    out = torch.float32 if os.environ.get("OUT_F32") == "1" else torch.bfloat16
+    api.bwd_fwd(**a, output_dtype=out, impl=impl)
 
 
 def sweep(dims, state_cfgs, output_cfgs):

@@ -373,9 +373,6 @@ def test_output_register_cap_rule():
         assert [c["PB"] for c in cfgs][:2] == ([2, 1] if paired else [1, 1]), s.name
         assert cfgs[0]["maxnreg"] == (168 if paired else want), s.name
         assert all(c["maxnreg"] == want for c in cfgs[paired:]), s.name
-        # scores * w before the psi_v loads, except where N > 64 runs with 128 registers
-        wf = not (s.N > 64 and want == 128)
-        assert [c["WF"] for c in cfgs] == [True] * paired + [wf] * (len(cfgs) - paired), s.name
         want_prefetch = s.R > 1 and (s.N <= 64 or want == 168)
         assert dispatch.output_prefetch(s.N, s.R, s.C) == want_prefetch, s.name
     assert not dispatch.output_small(128, 4, 32) and dispatch.output_small(128, 3, 16)
@@ -408,24 +405,6 @@ def test_output_p_blocks_per_program(monkeypatch, P, pb):
         if first == 0:
             again = run_op(args, "chunked", output_dtype=BF16)
             assert all(torch.equal(x, y) for x, y in zip(outs, again) if x is not None)
-    dispatch.clear_caches()
-
-
-@pytest.mark.parametrize("wf", [True, False], ids=["weights_first", "psi_v_first"])
-def test_output_statement_orders(monkeypatch, wf):
-    """chunk_output's two orders of the weighted scores and the psi_v loads (the constexpr WF,
-    which the dispatcher picks for register allocation alone) give results within the
-    thresholds, with one and two P blocks per program."""
-    from mamba3_mimo import dispatch
-    candidates = dispatch._output_candidates
-    monkeypatch.setattr(dispatch, "_output_candidates",
-                        lambda pb, m: [dict(c, WF=wf) for c in candidates(pb, m)])
-    for P in (32, 80):
-        shape = Shape(1, 40, 2, 1, 16, P, 2, 16)
-        dispatch.clear_caches()
-        assert dispatch.select(_problem(shape)).output_cfg["WF"] == wf
-        args, golden, bench = problem(shape, FP32, True, True)
-        check_outputs(run_op(args, "chunked", output_dtype=BF16), golden, bench, FP32, BF16)
     dispatch.clear_caches()
 
 

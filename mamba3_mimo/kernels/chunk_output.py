@@ -64,8 +64,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
-                        BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr,
-                        WF: tl.constexpr):
+                        BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr):
     """Tile o of one (b, h) and PB consecutive P blocks: chunks o*U .. o*U + U - 1 (those < nc),
     TP >= U*C steps. The scores are computed once for the PB blocks. sqb, skb, svb, sgb, sgh
     come divided by BA (kernels.input_align)."""
@@ -132,18 +131,15 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                 log_q = tl.load(terms + LOG_Q * plane + row + t0 + tt, mask=ts_ok, other=0.0)
                 log_k = tl.load(terms + LOG_K * plane + row + t0 + tt, mask=ts_ok, other=0.0)
             w = tile_weights(seg, log_q, log_k, tt, ts_ok, C, gamma, trap_scale, RP, U)
-            if WF:
-                sw_t = tl.trans(scores * w)
+            # The order of these statements (the columns before the loop, the weighted scores
+            # before the psi_v loads, q_decay after them) is, of those tried, the one that spills
+            # least at 128 registers (docs/optimisation.md, steps 61 and 63).
+            sw_t = tl.trans(scores * w)
         psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, ts_ok,
                                  mimo_v + h * R * P, R, p, pm, P, svp, RP)
-        # WF: scores * w before the psi_v loads; no spill at N <= 64 but 144 bytes instead of
-        # 64 at N128_P64_R4_C16 (docs/optimisation.md, step 61)
         if pp == 0:
             q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
         psi_t = tl.trans(psi_v)
-        if pp == 0:
-            if not WF:
-                sw_t = tl.trans(scores * w)
         raw_t = dot(psi_t, sw_t, PREC) + q_decay[None, :] * inter
         if HAS_D:
             raw_t += tl.load(d + h) * psi_t
@@ -206,7 +202,7 @@ def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
         qs[0] // BA, *qs[1:], ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], gs[0] // BA,
         gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
         m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"], BA, m["PREFETCH"], cfg["PB"], cfg["WF"])
+        m["OPAQUE"], BA, m["PREFETCH"], cfg["PB"])
     parts, sums, RP = out["parts"], out["dmimo"], m["R"] * m["P"]
     BLOCK = min(128, next_pow2(RP))
     return [Launch(chunk_output_kernel, grid, args, dict(
