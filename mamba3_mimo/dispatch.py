@@ -1,17 +1,18 @@
 """Shape dispatcher: picks the implementation and kernel configs for a bwd_fwd problem, and runs it.
 
-Rule: "auto" runs the production path, "chunked": step_terms_kernel (per-step terms and the
-rotary cos/sin table), then the states, from N = SCAN_MIN_N (64) up by state_scan_kernel (one
-fused serial scan; its increment's dot on mma.sync up to N = SCAN_SYNC_MAX_N (64), on wgmma
-above), below it by chunk_increment_kernel (chunk-parallel state increments) and
-state_passing_kernel (serial multiply-add over chunks), then chunk_output_kernel
-(chunk-parallel outputs; at most 128 registers up to N = OUTPUT_SMALL_N (64) and at N = 128 with
-R = 3-4 and C <= 16, 168 elsewhere; its later inputs prefetched into L2 where R > 1, except at
-N = 128 with 128 registers: output_small; at P = 65-128 one program takes both 64-column P
-blocks, at 168 registers: output_p_blocks). Configs depend only on model dimensions (N, P, R, C,
-dtypes, flags), never on B or S, so a new batch or length never recompiles. Each kernel has a
-list of candidate configs, largest first; the first whose compiled kernel fits the device's shared
-memory per block (shared_memory_per_block_optin, or `smem_limit_override`) is used and cached.
+Rule: "auto" runs the production path, "chunked": step_terms_kernel (per-step terms and the rotary
+cos/sin table), then the states, from N = SCAN_MIN_N (64) up by state_scan_kernel (one fused serial
+scan; its increment's dot on mma.sync up to N = SCAN_SYNC_MAX_N (64), on wgmma above), below it by
+chunk_increment_kernel (chunk-parallel state increments) and state_passing_kernel (serial multiply-
+add over chunks), then chunk_output_kernel (chunk-parallel outputs; at most 128 registers up to N =
+OUTPUT_SMALL_N (64) and at N = 128 with R = 3-4 and C <= 16, 168 elsewhere; its later inputs
+prefetched into L2 where R > 1, except at N = 128 with 128 registers: output_small; at P = 65-128
+one program takes both 64-column P blocks, at 168 registers: output_p_blocks; on GPUs whose dots
+run on mma.sync (sm_80-89, sm_120), where those configs spill heavily, OUTPUT_PORTABLE:
+measured_arch). Configs depend only on model dimensions (N, P, R, C, dtypes, flags) and the device,
+never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
+configs, largest first; the first whose compiled kernel fits the device's shared memory per block
+(shared_memory_per_block_optin, or `smem_limit_override`) is used and cached.
 "stage0" is the baseline, never chosen by "auto".
 """
 from __future__ import annotations
@@ -276,14 +277,44 @@ def output_prefetch(N: int, R: int, C: int) -> bool:
     return R > 1 and not (N > OUTPUT_SMALL_N and output_small(N, R, C))
 
 
+# The configs above were measured on the H200 (sm_90), where Triton runs chunk_output's dots on
+# wgmma. On GPUs whose dots run on mma.sync with both operands in registers (sm_80-89, sm_120)
+# the same configs compile with 136-2608 bytes of local memory per thread on the official shapes
+# (sm_89), where 16-pair N blocks with 32-column P blocks at OUTPUT_MAXNREG registers take 0-56
+# (up to 264 on sm_80). On sm_100 (tcgen05) the H200's configs spill nothing. Offline, ptxas
+# for each target (docs/optimisation.md, step 66); not timed on those GPUs.
+OUTPUT_PORTABLE = dict(BJ=16, BP=32, PB=1, num_warps=4, num_stages=1, maxnreg=OUTPUT_MAXNREG)
+_MEASURED_MAJORS = (9, 10)
+_measured: Dict[torch.device, bool] = {}
+
+
+def measured_arch(device: torch.device) -> bool:
+    """Whether chunk_output takes the H200-measured configs on this device: compute capability
+    9.x or 10.x (wgmma, tcgen05), or the CPU interpreter (whose tests then cover the configs the
+    H200 runs); elsewhere OUTPUT_PORTABLE. Cached per device: the query costs the host
+    microseconds."""
+    if device.type != "cuda":
+        return True
+    known = _measured.get(device)
+    if known is None:
+        known = _measured[device] = (torch.cuda.get_device_capability(device)[0]
+                                     in _MEASURED_MAJORS)
+    return known
+
+
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     """chunk_output configs, preferred first (measured on the H200, docs/optimisation.md steps
     7, 11, 22, 57, 58 and 60): 32-pair N blocks (16 when N/2 is smaller; 16 at N = 256 measured
     1.15x slower), 64-column P blocks, 4 warps, at most output_maxnreg(N, R, C) registers, on
     every shape of the official grid; first, where P takes two such blocks, both in one program
     with OUTPUT_MAXNREG registers (output_p_blocks). The shared-memory check falls back to
-    narrower blocks on smaller GPUs. (The chunks per tile, meta["U"], follow C and R alone.)"""
+    narrower blocks on smaller GPUs. Where measured_arch is false, OUTPUT_PORTABLE.
+    (The chunks per tile, meta["U"], follow C and R alone.)"""
     half = pb.N // 2
+    if not measured_arch(pb.device):
+        first = dict(OUTPUT_PORTABLE, BJ=min(OUTPUT_PORTABLE["BJ"], _pow2(half)),
+                     BP=min(OUTPUT_PORTABLE["BP"], _pow2(pb.P)))
+        return [first] + ([] if first["BP"] == 16 else [dict(first, BP=16)])
     out = []
     PB = output_p_blocks(pb.P)
     if PB > 1:

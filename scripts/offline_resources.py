@@ -1,11 +1,14 @@
-"""Compile the kernels of one bwd_fwd call for sm_90 on a machine without a GPU and print each
-kernel's registers, spills and shared memory (ptxas through cuobjdump), to study register
-pressure without device time. Integer arguments are specialised as the JIT does (1 becomes a
-constant, multiples of 16 are marked), so that the layouts match a GPU build.
-Usage: [PTX_DIR=dir] [VARIANT=json] [NO_Z=1] [OUT_F32=1] python scripts/offline_resources.py B S H G N P R C [impl]
+"""Compile the kernels of one bwd_fwd call for sm_90 (or another target) on a machine without a
+GPU and print each kernel's registers, spills and shared memory (ptxas through cuobjdump), to
+study register pressure without device time. Integer arguments are specialised as the JIT does
+(1 becomes a constant, multiples of 16 are marked), so that the layouts match a GPU build.
+Usage: [PTX_DIR=dir] [VARIANT=json] [NO_Z=1] [OUT_F32=1] [ARCH=89]
+  python scripts/offline_resources.py B S H G N P R C [impl]
 (PTX_DIR: also write each kernel's PTX and TTGIR there; VARIANT: one variant in scripts/ab.py's
 form, e.g. '{"output_cfg": {"maxnreg": 128}, "meta": {"PREFETCH": 0}}', applied as ab.py applies
-it; NO_Z=1: the Z gate off; OUT_F32=1: float32 outputs instead of bfloat16)"""
+it; NO_Z=1: the Z gate off; OUT_F32=1: float32 outputs instead of bfloat16; ARCH: the compute
+capability to compile for, 90 unless given. The configs are those the dispatcher gives a CPU
+tensor, the H200's: for another target's own, pass them as a VARIANT.)"""
 import inspect
 import json
 import os
@@ -54,8 +57,8 @@ def _compile(self, *args, grid, warmup, **kwargs):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"
-    k = triton.compile(ASTSource(self, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=opts)
+    target = GPUTarget("cuda", int(os.environ.get("ARCH", "90")), 32)
+    k = triton.compile(ASTSource(self, sig, const, attrs), target=target, options=opts)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

@@ -378,6 +378,28 @@ def test_output_register_cap_rule():
     assert not dispatch.output_small(128, 4, 32) and dispatch.output_small(128, 3, 16)
 
 
+def test_output_configs_off_hopper(monkeypatch):
+    """On GPUs whose dots run on mma.sync (dispatch.measured_arch false: sm_80-89, sm_120)
+    chunk_output takes OUTPUT_PORTABLE on every official shape (16-pair N blocks, 32-column P
+    blocks, one P block per program, 168 registers), then 16-column P blocks, where the H200's
+    configs spill 136-2608 bytes per thread (docs/optimisation.md, step 66); with it a shape
+    with a partial last chunk and a partial P block stays within the thresholds. On the CPU
+    and on the H200 the measured configs apply."""
+    from mamba3_mimo import dispatch
+    assert dispatch.measured_arch(torch.device(DEVICE))
+    monkeypatch.setattr(dispatch, "measured_arch", lambda device: False)
+    dispatch.clear_caches()
+    for s in official_shapes(B=1, S=64, H=2):
+        pb = _problem(s)
+        cfgs = dispatch._output_candidates(pb, dispatch._meta(pb))
+        assert cfgs == [dict(dispatch.OUTPUT_PORTABLE), dict(dispatch.OUTPUT_PORTABLE, BP=16)]
+        assert dispatch.select(pb).output_cfg == cfgs[0], s.name
+    shape = Shape(1, 40, 2, 1, 16, 48, 2, 16)  # three chunks, the last one partial; P = 32 + 16
+    args, golden, bench = problem(shape, FP32, True, True)
+    check_outputs(run_op(args, "chunked", output_dtype=BF16), golden, bench, FP32, BF16)
+    dispatch.clear_caches()
+
+
 @pytest.mark.parametrize("P, pb", [(128, 2), (80, 2), (65, 2), (64, 1), (48, 1)])
 def test_output_p_blocks_per_program(monkeypatch, P, pb):
     """Where P takes two 64-column blocks (65-128), the dispatcher's first chunk_output config
