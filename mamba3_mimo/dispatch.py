@@ -461,13 +461,14 @@ _entry_calls: Dict[tuple, Tuple[Problem, "_CallPlan"]] = {}
 
 def clear_caches() -> None:
     """Forget the compile-time constants, the chosen configs, the call plans, the entry
-    signatures and the devices checked (after a change to what the dispatcher picks, such as a
+    signatures and the devices checked and classified (after a change to what the dispatcher picks, such as a
     shared-memory limit or, in tests, its candidates or rules)."""
     _model_meta.cache_clear()
     _config_cache.clear()
     _call_plans.clear()
     _entry_calls.clear()
     _capable.clear()
+    _measured.clear()
 
 
 def cached_call(signature: tuple) -> Optional[Tuple[Problem, "_CallPlan"]]:
