@@ -461,8 +461,8 @@ _entry_calls: Dict[tuple, Tuple[Problem, "_CallPlan"]] = {}
 
 def clear_caches() -> None:
     """Forget the compile-time constants, the chosen configs, the call plans, the entry
-    signatures and the devices checked and classified (after a change to what the dispatcher picks, such as a
-    shared-memory limit or, in tests, its candidates or rules)."""
+    signatures and the devices checked and classified (after a change to what the dispatcher
+    picks, such as a shared-memory limit or, in tests, its candidates or rules)."""
     _model_meta.cache_clear()
     _config_cache.clear()
     _call_plans.clear()
