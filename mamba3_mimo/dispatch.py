@@ -284,7 +284,7 @@ def output_prefetch(N: int, R: int, C: int) -> bool:
 # (up to 264 on sm_80). On sm_100 (tcgen05) the H200's configs spill nothing. Offline, ptxas
 # for each target (docs/optimisation.md, step 66); not timed on those GPUs.
 OUTPUT_PORTABLE = dict(BJ=16, BP=32, PB=1, num_warps=4, num_stages=1, maxnreg=OUTPUT_MAXNREG)
-_MEASURED_MAJORS = (9, 10)
+MEASURED_MAJORS = (9, 10)  # compute capabilities whose GPUs take the H200's configs
 _measured: Dict[torch.device, bool] = {}
 
 
@@ -298,7 +298,7 @@ def measured_arch(device: torch.device) -> bool:
     known = _measured.get(device)
     if known is None:
         known = _measured[device] = (torch.cuda.get_device_capability(device)[0]
-                                     in _MEASURED_MAJORS)
+                                     in MEASURED_MAJORS)
     return known
 
 

@@ -7,8 +7,8 @@ Usage: [PTX_DIR=dir] [VARIANT=json] [NO_Z=1] [OUT_F32=1] [ARCH=89]
 (PTX_DIR: also write each kernel's PTX and TTGIR there; VARIANT: one variant in scripts/ab.py's
 form, e.g. '{"output_cfg": {"maxnreg": 128}, "meta": {"PREFETCH": 0}}', applied as ab.py applies
 it; NO_Z=1: the Z gate off; OUT_F32=1: float32 outputs instead of bfloat16; ARCH: the compute
-capability to compile for, 90 unless given. The configs are those the dispatcher gives a CPU
-tensor, the H200's: for another target's own, pass them as a VARIANT.)"""
+capability to compile for, 90 unless given, e.g. 89 or 120; the configs are those the
+dispatcher picks on a GPU of that capability, dispatch.measured_arch.)"""
 import inspect
 import json
 import os
@@ -81,6 +81,9 @@ def _patch() -> None:
     JITFunction.run = _compile
     dispatch.check_device = lambda device: None
     launcher.DIRECT = False
+    # the configs the dispatcher picks on a GPU of the target's compute capability
+    major = int(os.environ.get("ARCH", "90")) // 10
+    dispatch.measured_arch = lambda device: major in dispatch.MEASURED_MAJORS
 
 
 def main():
