@@ -8,11 +8,12 @@ add over chunks), then chunk_output_kernel (chunk-parallel outputs; at most 128 
 OUTPUT_SMALL_N (64) and at N = 128 with R = 3-4 and C <= 16, 168 elsewhere; its later inputs
 prefetched into L2 where R > 1, except at N = 128 with 128 registers: output_small; at P = 65-128
 one program takes both 64-column P blocks, at 168 registers: output_p_blocks; on GPUs whose dots
-run on mma.sync (sm_80-89, sm_120), where those configs spill heavily, OUTPUT_PORTABLE:
-measured_arch). Configs depend only on model dimensions (N, P, R, C, dtypes, flags) and the device,
-never on B or S, so a new batch or length never recompiles. Each kernel has a list of candidate
-configs, largest first; the first whose compiled kernel fits the device's shared memory per block
-(shared_memory_per_block_optin, or `smem_limit_override`) is used and cached.
+run on mma.sync (sm_80-89, sm_120), where those configs spill heavily, the fallbacks from 32-column
+P blocks on at 168 registers: measured_arch). Configs depend only on model dimensions (N, P, R, C,
+dtypes, flags) and the device, never on B or S, so a new batch or length never recompiles. Each
+kernel has a list of candidate configs, largest first; the first whose compiled kernel fits the
+device's shared memory per block (shared_memory_per_block_optin, or `smem_limit_override`) is used
+and cached.
 "stage0" is the baseline, never chosen by "auto".
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ from .kernels import (aligned_numel, cdiv, chunk_output, chunk_state, launcher, 
 IMPLS = ("auto", "chunked", "stage0")
 _smem_override: Optional[int] = None
 _config_cache: Dict[tuple, dict] = {}
-_capable: set = set()  # CUDA devices that check_device passed
+# compute capability per CUDA device: the query costs the host microseconds per call
+_capability: Dict[torch.device, Tuple[int, int]] = {}
 
 
 @dataclass(frozen=True)
@@ -92,13 +94,18 @@ def check_device(device: torch.device) -> None:
         raise NotImplementedError(f"device {device} is not supported; expected cuda (sm_80+)")
     if interpreter_active():
         raise NotImplementedError("TRITON_INTERPRET=1 is set: the interpreter runs CPU tensors only")
-    if device in _capable:  # the capability query costs the host microseconds per call
-        return
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = compute_capability(device)
     if major < 8:
         raise NotImplementedError(
             f"device {device} has compute capability {major}.{minor}; expected sm_80 or newer")
-    _capable.add(device)
+
+
+def compute_capability(device: torch.device) -> Tuple[int, int]:
+    """(major, minor) of a CUDA device, cached."""
+    cc = _capability.get(device)
+    if cc is None:
+        cc = _capability[device] = torch.cuda.get_device_capability(device)
+    return cc
 
 
 @contextlib.contextmanager
@@ -280,26 +287,18 @@ def output_prefetch(N: int, R: int, C: int) -> bool:
 # The configs above were measured on the H200 (sm_90), where Triton runs chunk_output's dots on
 # wgmma. On GPUs whose dots run on mma.sync with both operands in registers (sm_80-89, sm_120)
 # the same configs compile with 136-2608 bytes of local memory per thread on the official shapes
-# (sm_89), where 16-pair N blocks with 32-column P blocks at OUTPUT_MAXNREG registers take 0-56
-# (up to 264 on sm_80). On sm_100 (tcgen05) the H200's configs spill nothing. Offline, ptxas
-# for each target (docs/optimisation.md, step 66); not timed on those GPUs.
-OUTPUT_PORTABLE = dict(BJ=16, BP=32, PB=1, num_warps=4, num_stages=1, maxnreg=OUTPUT_MAXNREG)
+# (sm_89); the fallbacks from 32-column P blocks on (16-pair N blocks), at OUTPUT_MAXNREG
+# registers, take 0-56 (up to 264 on sm_80). On sm_100 (tcgen05) the H200's configs spill
+# nothing. Offline, ptxas for each target (docs/optimisation.md, step 66); not timed on those
+# GPUs.
 MEASURED_MAJORS = (9, 10)  # compute capabilities whose GPUs take the H200's configs
-_measured: Dict[torch.device, bool] = {}
 
 
 def measured_arch(device: torch.device) -> bool:
     """Whether chunk_output takes the H200-measured configs on this device: compute capability
     9.x or 10.x (wgmma, tcgen05), or the CPU interpreter (whose tests then cover the configs the
-    H200 runs); elsewhere OUTPUT_PORTABLE. Cached per device: the query costs the host
-    microseconds."""
-    if device.type != "cuda":
-        return True
-    known = _measured.get(device)
-    if known is None:
-        known = _measured[device] = (torch.cuda.get_device_capability(device)[0]
-                                     in MEASURED_MAJORS)
-    return known
+    H200 runs)."""
+    return device.type != "cuda" or compute_capability(device)[0] in MEASURED_MAJORS
 
 
 def _output_candidates(pb: Problem, m: dict) -> List[dict]:
@@ -308,21 +307,21 @@ def _output_candidates(pb: Problem, m: dict) -> List[dict]:
     1.15x slower), 64-column P blocks, 4 warps, at most output_maxnreg(N, R, C) registers, on
     every shape of the official grid; first, where P takes two such blocks, both in one program
     with OUTPUT_MAXNREG registers (output_p_blocks). The shared-memory check falls back to
-    narrower blocks on smaller GPUs. Where measured_arch is false, OUTPUT_PORTABLE.
-    (The chunks per tile, meta["U"], follow C and R alone.)"""
+    narrower blocks on smaller GPUs. Where measured_arch is false, the list starts at those
+    fallbacks, with OUTPUT_MAXNREG registers (step 66). (The chunks per tile, meta["U"], follow
+    C and R alone.)"""
     half = pb.N // 2
-    if not measured_arch(pb.device):
-        first = dict(OUTPUT_PORTABLE, BJ=min(OUTPUT_PORTABLE["BJ"], _pow2(half)),
-                     BP=min(OUTPUT_PORTABLE["BP"], _pow2(pb.P)))
-        return [first] + ([] if first["BP"] == 16 else [dict(first, BP=16)])
+    blocks, maxnreg = ((32, 64), (16, 32), (16, 16)), output_maxnreg(pb.N, pb.R, pb.C)
     out = []
     PB = output_p_blocks(pb.P)
-    if PB > 1:
+    if not measured_arch(pb.device):
+        blocks, maxnreg = blocks[1:], OUTPUT_MAXNREG
+    elif PB > 1:
         out.append(dict(BJ=min(32, _pow2(half)), BP=64, PB=PB, num_warps=4, num_stages=1,
                         maxnreg=OUTPUT_MAXNREG))
-    for BJ, BP in ((32, 64), (16, 32), (16, 16)):
+    for BJ, BP in blocks:
         cfg = dict(BJ=min(BJ, _pow2(half)), BP=min(BP, _pow2(pb.P)), PB=1, num_warps=4,
-                   num_stages=1, maxnreg=output_maxnreg(pb.N, pb.R, pb.C))
+                   num_stages=1, maxnreg=maxnreg)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -467,8 +466,7 @@ def clear_caches() -> None:
     _config_cache.clear()
     _call_plans.clear()
     _entry_calls.clear()
-    _capable.clear()
-    _measured.clear()
+    _capability.clear()
 
 
 def cached_call(signature: tuple) -> Optional[Tuple[Problem, "_CallPlan"]]:

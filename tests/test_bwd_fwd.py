@@ -380,8 +380,8 @@ def test_output_register_cap_rule():
 
 def test_output_configs_off_hopper(monkeypatch):
     """On GPUs whose dots run on mma.sync (dispatch.measured_arch false: sm_80-89, sm_120)
-    chunk_output takes OUTPUT_PORTABLE on every official shape (16-pair N blocks, 32-column P
-    blocks, one P block per program, 168 registers), then 16-column P blocks, where the H200's
+    chunk_output takes 16-pair N blocks, 32-column P blocks, one P block per program and 168
+    registers on every official shape, then 16-column P blocks, where the H200's
     configs spill 136-2608 bytes per thread (docs/optimisation.md, step 66); with it a shape
     with a partial last chunk and a partial P block stays within the thresholds. On the CPU
     and on the H200 the measured configs apply."""
@@ -392,7 +392,8 @@ def test_output_configs_off_hopper(monkeypatch):
     for s in official_shapes(B=1, S=64, H=2):
         pb = _problem(s)
         cfgs = dispatch._output_candidates(pb, dispatch._meta(pb))
-        assert cfgs == [dict(dispatch.OUTPUT_PORTABLE), dict(dispatch.OUTPUT_PORTABLE, BP=16)]
+        portable = dict(BJ=16, BP=32, PB=1, num_warps=4, num_stages=1, maxnreg=168)
+        assert cfgs == [portable, dict(portable, BP=16)], s.name
         assert dispatch.select(pb).output_cfg == cfgs[0], s.name
     shape = Shape(1, 40, 2, 1, 16, 48, 2, 16)  # three chunks, the last one partial; P = 32 + 16
     args, golden, bench = problem(shape, FP32, True, True)

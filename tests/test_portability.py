@@ -45,8 +45,8 @@ def compiled_resources(arch: int, N: int, P: int, R: int, C: int) -> dict:
                               "sm120_N256_P64_R4_C8"])
 def test_kernels_off_hopper(arch, dims):
     """chunk_output compiled for a GPU whose dots run on mma.sync, in the config the dispatcher
-    picks there (dispatch.OUTPUT_PORTABLE), spills at most MAX_STACK bytes per thread and keeps
-    the 168-register cap; every other kernel of the call spills nothing beyond a small stack
+    picks there (32-column P blocks), spills at most MAX_STACK bytes per thread and keeps the
+    168-register cap; every other kernel of the call spills nothing beyond a small stack
     frame (step_terms: 32-40 bytes, the 28-byte array of libdevice's sin/cos range reduction);
     each fits SMEM_LIMIT."""
     res = compiled_resources(arch, *dims)
