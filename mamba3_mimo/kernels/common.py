@@ -199,19 +199,21 @@ def sigmoid(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def gate_grads(raw, dout, phi, z, zeta, HAS_Z: tl.constexpr, FAST: tl.constexpr):
-    """Per-element terms of (dmimo_o, dmimo_z, dz) for out = sum_r Phi * silu(z * Zeta) * raw.
+def gate_grads(raw, dout, z, zeta, HAS_Z: tl.constexpr, FAST: tl.constexpr):
+    """Per-element terms of the gradients for out = sum_r Phi * silu(z * Zeta) * raw.
 
-    Returns dout*gate*raw, dout*Phi*raw*silu'(u)*z and dout*Phi*raw*silu'(u)*Zeta (the last two
-    are zeros when HAS_Z is False); the caller reduces them over time or rank.
+    Returns dout*gate*raw (dmimo_o's) and h = dout*raw*silu'(u) (zeros when HAS_Z is False),
+    from which dmimo_z = Phi * sum_t h*z and dz = sum_r h*Phi*Zeta: Phi is left to the caller,
+    which can apply it after a sum over time, once per (rank, column) instead of per element.
     """
     if HAS_Z:
         u = z * zeta
         sg = sigmoid(u, FAST)
-        g = dout * phi * raw * (sg * (1.0 + u * (1.0 - sg)))
-        return dout * (u * sg) * raw, g * z, g * zeta
-    zero = tl.zeros_like(raw)
-    return dout * raw, zero, zero
+        dr = dout * raw
+        gate = u * sg
+        # silu'(u) = sg * (1 + u * (1 - sg)) = sg + gate * (1 - sg)
+        return dr * gate, dr * (sg + gate * (1.0 - sg))
+    return dout * raw, tl.zeros_like(raw)
 
 
 @triton.jit
@@ -313,17 +315,18 @@ def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, s
     z = tl.zeros_like(raw)
     if HAS_Z:
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, 0)
+    g_o, h = gate_grads(raw, dout, z, zeta, HAS_Z, 0)
+    g = h * phi
     if HAS_Z:
         TS: tl.constexpr = 16 if TP < 16 else TP
-        dz = tl.dot(select(ROWS, TS, RP, False), g_dz, input_precision=EXACT)
+        dz = tl.dot(select(ROWS, TS, RP, False), g * zeta, input_precision=EXACT)
         dm = t_time_mask[:, None] & p_mask[None, :]
         tl.store(dz_ptr + t_time_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty),
                  mask=dm)
     RS: tl.constexpr = 16 if RP < 16 else RP
     by_rank = select(ROWS, RS, RP, True)
     part_o = tl.dot(by_rank, g_o, input_precision=EXACT)
-    part_z = tl.dot(by_rank, g_z, input_precision=EXACT)
+    part_z = tl.dot(by_rank, g * z, input_precision=EXACT)
     return part_o, part_z
 
 
@@ -335,27 +338,31 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
     sum_t dout*Phi*raw*silu'(u)*z), each [RP, BP].
 
     dout and z are loaded once per step ([TP, 1, BP]; t_off, t_mask: the steps' offsets in the
-    (b, h) slices at dout_ptr, z_ptr, and which exist) and Phi, Zeta once per rank ([1, RP, BP]
-    from the head's [R, P] blocks at mimo_o, mimo_z); the sums run along a tensor axis, so no
-    row-grouped tile is rebuilt. dz_off: the steps' offsets in the contiguous dz at dz_ptr.
-    Rows of raw with rank >= R must be zero.
+    (b, h) slices at dout_ptr, z_ptr, and which exist) and Phi, Zeta once per rank (from the
+    head's [R, P] blocks at mimo_o, mimo_z); the sums run along a tensor axis, so no
+    row-grouped tile is rebuilt, and Phi multiplies dmimo_z's sum over time, not its terms.
+    dz_off: the steps' offsets in the contiguous dz at dz_ptr. Rows of raw with rank >= R must
+    be zero.
     """
     m = t_mask[:, None] & p_mask[None, :]
     off = t_off[:, None] + p[None, :] * stride_p
     dout = tl.load(dout_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
-    r = tl.arange(0, raw.shape[1])
-    hm = (r < R)[:, None] & p_mask[None, :]
-    hoff = r[:, None] * P + p[None, :]
-    phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)[None, :, :]
-    z, zeta = 0.0, 0.0
-    if HAS_Z:
+    z, zeta, phi = 0.0, 0.0, 0.0
+    if HAS_Z:  # Phi enters only the gate's terms
+        r = tl.arange(0, raw.shape[1])
+        hm = (r < R)[:, None] & p_mask[None, :]
+        hoff = r[:, None] * P + p[None, :]
+        phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)  # [RP, BP]
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
         zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :]
-    g_o, g_z, g_dz = gate_grads(raw, dout, phi, z, zeta, HAS_Z, FAST)
+    g_o, h = gate_grads(raw, dout, z, zeta, HAS_Z, FAST)
+    sum_o = tl.sum(g_o, axis=0)
+    sum_z = tl.zeros_like(sum_o)
     if HAS_Z:
-        dz = tl.sum(g_dz, axis=1)
+        dz = tl.sum(h * (phi * zeta), axis=1)
         tl.store(dz_ptr + dz_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty), mask=m)
-    return tl.sum(g_o, axis=0), tl.sum(g_z, axis=0)
+        sum_z = phi * tl.sum(h * z, axis=0)
+    return sum_o, sum_z
 
 
 @triton.jit
