@@ -178,7 +178,15 @@ def _model_meta(H: int, G: int, N: int, P: int, R: int, C: int, RD: int, U: int,
                 OPAQUE=not interpret,  # common.opaque: inline assembly, GPU only
                 SCAN_SYNC=N <= SCAN_SYNC_MAX_N,
                 # common.prefetch into L2 (inline assembly, GPU only)
-                PREFETCH=2 if not interpret and output_prefetch(N, R, C) else 0)
+                PREFETCH=2 if not interpret and output_prefetch(N, R, C) else 0,
+                STEP_BS=step_terms_steps(N))
+
+
+def step_terms_steps(N: int) -> int:
+    """Steps per step_terms program. Measured on the H200 (docs/optimisation.md, step 62): 16
+    took 27 % off the kernel at N = 256, and cost 0.3-5.5 us at N <= 128, where 32 keeps each
+    program's [steps, RD] tables large enough for its 128 threads."""
+    return 16 if N >= 256 else 32
 
 
 def out_states_suffice(dtype: torch.dtype, output_dtype: torch.dtype) -> bool:

@@ -196,7 +196,8 @@ def _sweep_shapes():
     shapes = [Shape(1, 32, 2, 1, 16, 16, R, 16) for R in (1, 2, 3, 4, 8)]
     shapes += [Shape(1, 32, 2, 2, 64, 16, 2, 16, rotary_dim_divisor=rdd) for rdd in (2, 4)]
     shapes += [Shape(1, 16, 1, 1, 16, 16, 2, 8, rotary_dim_divisor=2)]
-    shapes += [Shape(1, 16, 1, 1, 256, 16, 2, 8), Shape(1, 16, 1, 1, 256, 128, 2, 8)]
+    # N = 256: step_terms' 16-step programs, three of them, the last one partial
+    shapes += [Shape(1, 40, 1, 1, 256, 16, 2, 8), Shape(1, 16, 1, 1, 256, 128, 2, 8)]
     shapes += [Shape(1, 16, 1, 1, 16, P, 2, 8) for P in (64, 128)]
     shapes += [Shape(1, 32, 4, 4, 16, 16, 2, 16)]
     shapes += [Shape(1, 197, 3, 1, 16, 16, 2, 8), Shape(1, 100, 2, 1, 16, 16, 1, 4)]
@@ -376,6 +377,15 @@ def test_output_register_cap_rule():
         want_prefetch = s.R > 1 and (s.N <= 64 or want == 168)
         assert dispatch.output_prefetch(s.N, s.R, s.C) == want_prefetch, s.name
     assert not dispatch.output_small(128, 4, 32) and dispatch.output_small(128, 3, 16)
+
+
+def test_step_terms_steps_rule():
+    """step_terms runs 16 steps per program at N = 256 and 32 below (docs/optimisation.md,
+    steps 62 and 67), on every official shape."""
+    from mamba3_mimo import dispatch
+    from mamba3_mimo.inputs import official_shapes
+    for s in official_shapes(B=1, S=64, H=2):
+        assert dispatch._meta(_problem(s))["STEP_BS"] == (16 if s.N == 256 else 32), s.name
 
 
 def test_output_configs_off_hopper(monkeypatch):

@@ -94,10 +94,10 @@ def tables(meta: dict, device: torch.device) -> dict:
 
 def launches(a: dict, out: dict, meta: dict) -> list:
     """Fill out["terms"], out["cos"] and out["sin"] (from `tables`) for chunk_output tiles of
-    meta["U"] chunks."""
+    meta["U"] chunks; meta["STEP_BS"] steps per program."""
     m = meta
     n_bh, S_pad = m["B"] * m["H"], m["S_pad"]
-    BS = 32
+    BS = m["STEP_BS"]
     return [Launch(step_terms_kernel, (n_bh, cdiv(S_pad, BS)), (
         a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
         out["sin"], S_pad, n_bh, m["H"], m["nc"], m["C"], *a["angles"].stride(), m["RD"], BS,
