@@ -28,6 +28,7 @@ from mamba3_mimo.kernels import launcher
 
 _TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+ARCH = int(os.environ.get("ARCH", "90"))  # the compute capability compiled for
 
 
 def _compile(self, *args, grid, warmup, **kwargs):
@@ -57,8 +58,8 @@ def _compile(self, *args, grid, warmup, **kwargs):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"
-    target = GPUTarget("cuda", int(os.environ.get("ARCH", "90")), 32)
-    k = triton.compile(ASTSource(self, sig, const, attrs), target=target, options=opts)
+    k = triton.compile(ASTSource(self, sig, const, attrs), target=GPUTarget("cuda", ARCH, 32),
+                       options=opts)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -82,8 +83,7 @@ def _patch() -> None:
     dispatch.check_device = lambda device: None
     launcher.DIRECT = False
     # the configs the dispatcher picks on a GPU of the target's compute capability
-    major = int(os.environ.get("ARCH", "90")) // 10
-    dispatch.measured_arch = lambda device: major in dispatch.MEASURED_MAJORS
+    dispatch.measured_arch = lambda device: ARCH // 10 in dispatch.MEASURED_MAJORS
 
 
 def main():

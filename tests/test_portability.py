@@ -1,8 +1,8 @@
 """The kernels on GPUs other than the H200, checked without one: ptxas, which comes with Triton,
 compiles the kernels of a call for sm_89 and sm_120 in the configs the dispatcher picks there
 (scripts/offline_resources.py). Each fits those GPUs' 99 KB of shared memory per block, and
-chunk_output's local memory per thread stays small: the H200's configs spill 632-2608 bytes per
-thread on those targets (docs/optimisation.md, step 66).
+chunk_output's local memory per thread stays small: the H200's configs spill 136-2608 bytes per
+thread on the official shapes there (sm_89; docs/optimisation.md, step 66).
 """
 import os
 import re
