@@ -1,5 +1,6 @@
-"""Calls the production op twice on one official shape (bf16, Z on), for `ncu` to profile the
-second call's kernels: PYTHONPATH=. ncu ... python3 scripts/ncu_driver.py N128_P64_R4_C16"""
+"""Calls the production op twice on one official shape (bf16, Z on unless the second argument
+is "noz"), for `ncu` to profile the second call's kernels:
+PYTHONPATH=. ncu ... python3 scripts/ncu_driver.py N128_P64_R4_C16 [noz]"""
 import sys
 
 import torch
@@ -8,7 +9,7 @@ from mamba3_mimo import api
 from mamba3_mimo.inputs import make_inputs, official_shapes
 
 shape = next(s for s in official_shapes() if s.name == sys.argv[1])
-a = make_inputs(shape, torch.bfloat16, device="cuda", seed=1)
+a = make_inputs(shape, torch.bfloat16, sys.argv[2:3] != ["noz"], device="cuda", seed=1)
 a.pop("adt")
 for _ in range(2):
     api.bwd_fwd(**a, output_dtype=torch.bfloat16)

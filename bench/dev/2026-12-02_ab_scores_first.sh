@@ -7,8 +7,8 @@
 #   default:  bench/dev/2026-12-02_scores_first.patch, q loaded and rotated again in the second
 #             pass (measured in session 21: slower, step 77);
 #   KEEP_Q=1: bench/dev/2026-12-02_scores_first_keep_q.patch, the first pass's q tiles kept for
-#             the second (Triton holds them as the inter dot's shared-memory operand); prepared
-#             for the next session, not yet run (optimisation.md next steps, item 0).
+#             the second (Triton holds them as the inter dot's shared-memory operand); measured
+#             in session 22 (step 78: 2-3 % of the call at N = 16 and 32 at 96 registers).
 # Usage on the GPU machine, from a tree without the patch:
 #   OUT=dir [KEEP_Q=1] [AB_Z=0] [ROUNDS=2] bash bench/dev/2026-12-02_ab_scores_first.sh
 cd "$(dirname "$0")/../.." || exit 2
