@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 22 (optimisation.md step 81): are the production kernels bound by their instruction
-# issue? Nsight Compute's scheduler and instruction statistics for the second call's
-# kernels at N16_P64_R4_C8 (split form: 5 launches per
-# call) and N128_P64_R4_C16 (fused scan: 4 per call), with the Z gate on and off, as text.
+# issue? Nsight Compute's scheduler and instruction statistics for the second call's kernels
+# at N16_P64_R4_C8 (split form: 5 launches per call) and N128_P64_R4_C16 (fused scan: 4 per
+# call), with the Z gate on and off, as text.
 # Usage on the GPU machine: OUT=dir bash bench/dev/2026-12-02_ncu_issue.sh   (about 2 minutes)
 cd "$(dirname "$0")/../.." || exit 2
 for spec in N16_P64_R4_C8:5 N128_P64_R4_C16:4; do for z in "" noz; do
