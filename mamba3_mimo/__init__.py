@@ -1,5 +1,8 @@
-"""mamba3-mimo: Triton kernels for the Mamba-3 MIMO chunked scan (bwd_fwd phase)."""
-from .api import bwd_fwd, mamba3_mimo_bwd_fwd
+"""mamba3-mimo: Triton kernels for the Mamba-3 MIMO chunked scan.
 
-__all__ = ["mamba3_mimo_bwd_fwd", "bwd_fwd"]
+Public entry points: `mamba3_mimo_bwd_fwd` (phase 1 of the backward, SPEC sections 1-5).
+"""
+from .phases.bwd_fwd import mamba3_mimo_bwd_fwd
+
+__all__ = ["mamba3_mimo_bwd_fwd"]
 __version__ = "0.1.0"

@@ -15,10 +15,6 @@ from typing import Optional, Sequence
 
 import torch
 
-THRESHOLDS = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 5e-3}
-OUTPUTS = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
-
-
 def _use_interpreter_without_cuda() -> bool:
     """True on CUDA. Otherwise make sure Triton runs through its interpreter: TRITON_INTERPRET
     must be set before the kernels are defined, so if `python -m` already imported them, re-exec."""
@@ -31,18 +27,13 @@ def _use_interpreter_without_cuda() -> bool:
     return False
 
 
-def rel_err(x: torch.Tensor, gold: torch.Tensor) -> float:
-    """||x - g|| / ||g|| in float64."""
-    g = gold.double()
-    return ((x.double() - g).norm() / g.norm().clamp_min(1e-300)).item()
-
-
 def demo() -> int:
     on_gpu = _use_interpreter_without_cuda()
-    from . import api, dispatch
+    from . import configs, mamba3_mimo_bwd_fwd
     from .bench import problem_of
     from .inputs import Shape, make_inputs
     from .reference import bwd_fwd_reference
+    from .testing import OUTPUTS, THRESHOLDS, rel_rms
 
     if on_gpu:
         shape, dtype, device = Shape(4, 2048, 16, 1, 128, 64, 4, 16), torch.bfloat16, "cuda"
@@ -52,10 +43,10 @@ def demo() -> int:
         where = "CPU, Triton interpreter (TRITON_INTERPRET=1): slow, for correctness only"
     args = make_inputs(shape, dtype, z_gate=True, d_skip=True, device=device)
     args.pop("adt")
-    plan = dispatch.select(problem_of(args)).describe()
+    plan = configs.preferred(problem_of(args)).describe()
 
     def run():
-        return api.mamba3_mimo_bwd_fwd(**args)
+        return mamba3_mimo_bwd_fwd(**args)
 
     t0 = time.perf_counter()
     ours = run()
@@ -81,7 +72,7 @@ def demo() -> int:
     print(f"\n{'output':<9} {'ours vs f64':>12} {'fp32 ref vs f64':>16} {'limit':>8}  ok")
     failed = []
     for name, x, g, b in zip(OUTPUTS, ours, gold, bench):
-        err, ref_err = rel_err(x, g), rel_err(b, g)
+        err, ref_err = rel_rms(x, g), rel_rms(b, g)
         ok = err <= limit
         failed += [] if ok else [name]
         print(f"{name:<9} {err:>12.2e} {ref_err:>16.2e} {limit:>8.0e}  {'yes' if ok else 'NO'}")

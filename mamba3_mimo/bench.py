@@ -1,15 +1,17 @@
 """GPU benchmark of bwd_fwd following shared/BENCHMARK.md: `python -m mamba3_mimo.bench`.
 
-Times the stage0 baseline, the chunked production path and the dispatcher ("auto"),
-interleaved in one process over several rounds, on the official
-grid plus a B=8 control shape, Z gate on and off, bf16 and fp32 outputs. Compares with the
-upstream TileLang anchor and with the HBM floor; writes results.json, results.md and results.png.
+Times the stage0 baseline and the production path ("auto"), and with `--previous DIR` the
+public entry of an earlier commit's package (a checkout in DIR, e.g. a `git worktree`),
+interleaved in one process over several rounds, on the official grid plus a B=8 control shape,
+Z gate on and off, bf16 and fp32 outputs. Compares with the upstream TileLang anchor and with
+the HBM floor; writes results.json, results.md and results.png.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import functools
+import importlib.util
 import inspect
 import json
 import math
@@ -25,24 +27,24 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import api, dispatch
-from .inputs import Shape, make_inputs, official_shapes
+from . import configs
+from .inputs import make_inputs
+from .phases import bwd_fwd
+from .problem import Problem, Shape, official_shapes
+from .testing import DTYPE_NAMES
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_UPSTREAM = REPO / "bench" / "upstream_tilelang_h200.json"
+# upstream TileLang's bwd_fwd times on the H200, shipped with the package (BENCHMARK.md)
+DEFAULT_UPSTREAM = Path(__file__).resolve().parent / "data" / "upstream_tilelang_h200.json"
 COPY_BANDWIDTH = 4.3e12  # bytes/s: the H200's measured copy bandwidth (BENCHMARK.md)
-# "auto" before "chunked": the two share kernels, so only the first to run pays the compile, and
-# the table reports the first call of "auto"
-CANDIDATES = ("stage0", "auto", "chunked")
+CANDIDATES = ("stage0", "auto")
 CONTROL = Shape(B=8, S=2048, H=16, G=1, N=128, P=64, R=4, C=16)
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def problem_of(kwargs: dict) -> "dispatch.Problem":
-    """The dispatcher's Problem for keyword arguments of `mamba3_mimo_bwd_fwd` (validated)."""
-    bound = inspect.signature(api.mamba3_mimo_bwd_fwd).bind(**kwargs)
+def problem_of(kwargs: dict) -> Problem:
+    """The validated Problem of keyword arguments of `mamba3_mimo_bwd_fwd`."""
+    bound = inspect.signature(bwd_fwd.mamba3_mimo_bwd_fwd).bind(**kwargs)
     bound.apply_defaults()
-    return api._validate(*bound.arguments.values())
+    return bwd_fwd.validate(*bound.arguments.values())
 
 
 def hbm_bytes(shape: Shape, output_dtype: torch.dtype, z_gate: bool = True, d_skip: bool = True,
@@ -94,7 +96,7 @@ class Config:
         return self.shape.name + (f"_B{self.shape.B} (control)" if self.control else "")
 
 
-def configs(shape_filter: Optional[str], outs: Sequence[torch.dtype]) -> List[Config]:
+def bench_configs(shape_filter: Optional[str], outs: Sequence[torch.dtype]) -> List[Config]:
     """Official grid and control shape, Z on and off, each output dtype; `shape_filter` keeps
     labels containing any of its comma-separated substrings."""
     shapes = [(s, False) for s in official_shapes()] + [(CONTROL, True)]
@@ -108,13 +110,13 @@ def configs(shape_filter: Optional[str], outs: Sequence[torch.dtype]) -> List[Co
 
 def git_commit() -> str:
     """$MAMBA3_GIT_COMMIT when set (on a machine that got a copy of the tree its .git may be
-    stale: the caller names the commit), else HEAD of the repository with -dirty, else
-    'unknown'."""
+    stale: the caller names the commit), else HEAD of the repository the package is in (an
+    editable install) with -dirty, else 'unknown'."""
     if os.environ.get("MAMBA3_GIT_COMMIT"):
         return os.environ["MAMBA3_GIT_COMMIT"]
     try:
-        run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True,
-                                check=True)
+        run = functools.partial(subprocess.run, cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, check=True)
         head = run(["git", "rev-parse", "HEAD"]).stdout.strip()
         dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
         return head + ("-dirty" if dirty else "")
@@ -169,7 +171,7 @@ def first_call_s(fn: Callable[[], object]) -> float:
 def kernel_ms(fn: Callable[[], object], calls: int = 20) -> Dict[str, float]:
     """Device time per call of each kernel that fn launches, in ms (torch.profiler's CUDA
     events): the kernels alone, without the host's time between them, which decides the
-    end-to-end time of the small shapes (docs/optimisation.md, steps 38 and 41)."""
+    end-to-end time of the small shapes (docs/performance.md, "Host side")."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -195,17 +197,36 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a and b else None
 
 
+def load_previous(checkout: Path) -> Callable:
+    """The public `mamba3_mimo_bwd_fwd` of the package in checkout/mamba3_mimo, imported under
+    another name (mamba3_mimo_previous) beside this one; its modules must import each other
+    relatively, as this package's do."""
+    init = checkout / "mamba3_mimo" / "__init__.py"
+    if not init.is_file():
+        raise SystemExit(f"error: --previous: no mamba3_mimo package in {checkout}")
+    spec = importlib.util.spec_from_file_location(
+        "mamba3_mimo_previous", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.mamba3_mimo_bwd_fwd
+
+
 def bench_config(cfg: Config, rounds: int, with_stage0: bool,
-                 upstream: Dict[Tuple[str, bool], float], bar, rep_ms: int = 100) -> List[dict]:
+                 upstream: Dict[Tuple[str, bool], float], bar, rep_ms: int = 100,
+                 previous: Optional[Callable] = None) -> List[dict]:
     """Warm up then time every candidate on one config, interleaved over `rounds`; one row each."""
     from triton.testing import do_bench
     args = make_inputs(cfg.shape, torch.bfloat16, z_gate=cfg.z, d_skip=True, device="cuda")
     args.pop("adt")
     args["output_dtype"] = cfg.out
     problem = problem_of(args)
-    plan = dispatch.select(problem).describe()
+    plan = configs.preferred(problem).describe()
     names = [c for c in CANDIDATES if with_stage0 or c != "stage0"]
-    fns = {n: functools.partial(api.bwd_fwd, **args, impl=n) for n in names}
+    fns = {n: functools.partial(bwd_fwd.bwd_fwd, **args, impl=n) for n in names}
+    if previous is not None:
+        names.append("previous")
+        fns["previous"] = functools.partial(previous, **args)
     errors: Dict[str, str] = {}
     bar.set_description(f"{cfg.label} Z={'on' if cfg.z else 'off'} {DTYPE_NAMES[cfg.out]}")
     first = {n: _attempt(errors, n, functools.partial(first_call_s, fns[n])) for n in names}
@@ -238,6 +259,7 @@ def bench_config(cfg: Config, rounds: int, with_stage0: bool,
                  upstream_ms=up,
                  upstream_over_ms=_ratio(up, median[n]) if cfg.out == torch.bfloat16 else None,
                  stage0_over_ms=_ratio(median.get("stage0"), median[n]),
+                 previous_over_ms=_ratio(median.get("previous"), median[n]),
                  ms_over_floor=_ratio(median[n], floor))
             for n in names]
 
@@ -260,7 +282,7 @@ def md_table(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
 
 
 RATIOS = (("upstream/auto", "upstream_over_ms"), ("stage0/auto", "stage0_over_ms"),
-          ("auto/floor", "ms_over_floor"))
+          ("previous/auto", "previous_over_ms"), ("auto/floor", "ms_over_floor"))
 
 
 def _geomean_row(grid: List[dict], names: Sequence[str]) -> dict:
@@ -272,7 +294,7 @@ def _geomean_row(grid: List[dict], names: Sequence[str]) -> dict:
                 kernels_ms=geomean([r.get("kernels_ms") for r in auto]),
                 upstream_ms=geomean([r["upstream_ms"] for r in auto]),
                 floor_ms=geomean([r["floor_ms"] for r in auto]),
-                **{key: geomean([r[key] for r in auto]) for _, key in RATIOS})
+                **{key: geomean([r.get(key) for r in auto]) for _, key in RATIOS})
 
 
 def group_summary(rows: List[dict]) -> Tuple[str, List[dict]]:
@@ -378,11 +400,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="folder for results.json, results.md, results.png (default bench/results)")
     p.add_argument("--quick", action="store_true", help="bf16 output only, Z on and off, 1 round")
     p.add_argument("--no-stage0", action="store_true", help="skip the stage0 baseline")
+    p.add_argument("--previous", type=Path,
+                   help="a checkout of an earlier commit (its mamba3_mimo package is timed "
+                        "interleaved, as candidate 'previous')")
     p.add_argument("--rep-ms", type=int, default=100,
                    help="do_bench's timing window per candidate and round, ms (default 100, "
                         "Triton's default; 25 fits the whole grid in a few minutes)")
     p.add_argument("--upstream", type=Path, default=DEFAULT_UPSTREAM,
-                   help="upstream anchor JSON (default bench/upstream_tilelang_h200.json)")
+                   help="upstream anchor JSON (default: the package's "
+                        "data/upstream_tilelang_h200.json)")
     return p.parse_args(argv)
 
 
@@ -393,10 +419,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "(BENCHMARK.md: time on the H200, never on the CPU interpreter)")
     rounds = 1 if opts.quick else opts.rounds
     outs = (torch.bfloat16,) if opts.quick else (torch.bfloat16, torch.float32)
-    cfgs = configs(opts.shapes, outs)
+    cfgs = bench_configs(opts.shapes, outs)
     if not cfgs:
         raise SystemExit(f"error: no shape matches --shapes {opts.shapes!r}")
     upstream = load_upstream(opts.upstream)
+    previous = load_previous(opts.previous) if opts.previous else None
     meta = run_meta()
     bar = progress(len(cfgs) * (rounds + 1))
     rows: List[dict] = []
@@ -404,7 +431,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     partial.write_text("")
     for cfg in cfgs:
-        new = bench_config(cfg, rounds, not opts.no_stage0, upstream, bar, opts.rep_ms)
+        new = bench_config(cfg, rounds, not opts.no_stage0, upstream, bar, opts.rep_ms,
+                           previous)
         rows += new
         with partial.open("a") as f:
             f.writelines(json.dumps({**meta, **r}, default=str) + "\n" for r in new)

@@ -4,38 +4,12 @@ Shared by the tests, the demo and the benchmark so that all three time and check
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 
+from .problem import Shape, official_shapes  # noqa: F401 (re-exported for callers)
 from .reference import decay_pieces
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One bwd_fwd problem size; `name` follows BENCHMARK.md (N{N}_P{P}_R{R}_C{C})."""
-    B: int
-    S: int
-    H: int
-    G: int
-    N: int
-    P: int
-    R: int
-    C: int
-    rotary_dim_divisor: int = 4
-
-    @property
-    def name(self) -> str:
-        return f"N{self.N}_P{self.P}_R{self.R}_C{self.C}"
-
-
-def official_shapes(B: int = 4, S: int = 2048, H: int = 16, G: int = 1) -> list:
-    """The eleven shapes of BENCHMARK.md's official grid."""
-    grid = [(16, 64, 4, 8), (32, 64, 4, 16), (64, 64, 4, 16), (128, 64, 4, 16), (256, 64, 4, 8),
-            (64, 128, 4, 16), (128, 32, 4, 16), (128, 128, 4, 8), (128, 64, 8, 8),
-            (128, 64, 2, 32), (128, 64, 1, 64)]
-    return [Shape(B, S, H, G, N, P, R, C) for N, P, R, C in grid]
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype = torch.bfloat16, z_gate: bool = True,
@@ -81,3 +55,17 @@ def make_inputs(shape: Shape, dtype: torch.dtype = torch.bfloat16, z_gate: bool 
     )
     args["adt"] = adt
     return args
+
+
+def sweep_shapes() -> list:
+    """Every R, N, P and rotary_dim_divisor value (not their product), G = H, and many chunks
+    (a chunk count that is no multiple of the kernels' chunk grouping, with a partial last one)."""
+    shapes = [Shape(1, 32, 2, 1, 16, 16, R, 16) for R in (1, 2, 3, 4, 8)]
+    shapes += [Shape(1, 32, 2, 2, 64, 16, 2, 16, rotary_dim_divisor=rdd) for rdd in (2, 4)]
+    shapes += [Shape(1, 16, 1, 1, 16, 16, 2, 8, rotary_dim_divisor=2)]
+    # N = 256: step_terms' 16-step programs, three of them, the last one partial
+    shapes += [Shape(1, 40, 1, 1, 256, 16, 2, 8), Shape(1, 16, 1, 1, 256, 128, 2, 8)]
+    shapes += [Shape(1, 16, 1, 1, 16, P, 2, 8) for P in (64, 128)]
+    shapes += [Shape(1, 32, 4, 4, 16, 16, 2, 16)]
+    shapes += [Shape(1, 197, 3, 1, 16, 16, 2, 8), Shape(1, 100, 2, 1, 16, 16, 1, 4)]
+    return shapes

@@ -2,28 +2,36 @@
 in one variant cannot poison the others: end-to-end time on official shapes (do_bench's median
 in each round, the best round reported), the kernels' own device time per call (the profiler's,
 free of host time, which decides the small shapes' end-to-end times), the registers and spills
-of each launched kernel, and (first round only) the errors against the float64 golden on the
-test sweep's shapes (bf16 inputs, Z and D on, fp32 outputs).
+of each launched kernel, the configs the rules prefer under the variant (in ab.json), and
+(first round only) the errors against the float64 golden on the test sweep's shapes
+(inputs.sweep_shapes; bf16 inputs, Z and D on, fp32 outputs).
 
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
-(filter "" = every official shape; "none" = none, e.g. for a CPU dry run with TRITON_INTERPRET=1)
-VARIANTS_JSON: a list of {"name": str, "meta": {...}, "state_cfg": {...}, "output_cfg": {...},
-"state_min": {...}, "output_min": {...}, "state_meta": {...}, "output_meta": {...},
-"direct": bool};
-"meta" overrides entries of dispatch._meta (e.g. {"PREC": "bf16x3"}), a cfg overrides entries of
-the first candidate of that kernel's list (e.g. {"BP": 64}; the fallbacks stay), and
-"state_min" / "output_min" raise entries of it to a lower bound (e.g. {"BP": 32}), and
-"state_meta" / "output_meta" override meta entries for that kernel's launcher only (e.g.
-{"PREC": "bf16x3"} for chunk_increment alone); "direct": false sends every production launch
-through Triton's JITFunction.run instead of kernels.launcher's direct launches (launcher.DIRECT),
-e.g. [{"name": "triton", "direct": false}, {"name": "direct"}]; "check": false skips the error
-sweep for a variant whose arithmetic is the baseline's (a launch path, a prefetch), which saves
-most of its first round; "patch": "path/to.patch" runs the variant on a copy of the package with
-that patch applied (`git apply`, paths as in `git diff` from the repository root; a list of
-patches is applied in order), so that
-kernel changes are timed interleaved with the baseline. The first variant is the baseline.
-Writes $OUT/ab.json and prints the comparison table. The timed calls have the Z gate on;
-AB_Z=0 in the environment times them with it off (the error sweep keeps it on).
+(filter "" = every official shape; "none" = none, e.g. for the error sweep alone.) The first
+variant is the baseline. Writes $OUT/ab.json and prints the comparison table. The timed calls
+have the Z gate on; AB_Z=0 in the environment times them with it off (the sweep keeps it on).
+
+VARIANTS_JSON: a list of objects with a "name" and any of
+- rules, applied through `configs.override` around every call of the variant:
+  "state" / "output": the whole candidate list of the state pass / chunk_output, as lists of
+  StateConfig / OutputConfig fields (e.g. [{"scan": false, "BJ": 16, "BP": 32}]);
+  "state_cfg" / "output_cfg": entries that replace those of the rules' first candidate for each
+  problem, the fallbacks staying (e.g. {"BP": 64}); "state_min" / "output_min": entries of it
+  raised to a lower bound (e.g. {"BP": 32}); "tile_chunks" (int), "scan_sync" (bool),
+  "measured_arch" (bool), "smem_limit" (bytes);
+- "direct": false sends every production launch through Triton's JITFunction.run instead of
+  the launcher's direct launches (runtime.launcher.DIRECT), e.g.
+  [{"name": "triton", "direct": false}, {"name": "direct"}];
+- "check": false skips the error sweep for a variant whose arithmetic is the baseline's (a
+  launch path, a prefetch), which saves most of its first round;
+- "patch": "path/to.patch" runs the variant on a copy of the package with that patch applied
+  (`git apply`, paths as in `git diff` from the repository root; a list of patches is applied
+  in order), so that kernel changes, and changes of constants that `configs.override` does not
+  reach (dot precisions, prefetch, alignment: configs.py), are timed interleaved with the
+  baseline.
+
+Without CUDA (TRITON_INTERPRET=1) it is a dry run: the official shapes' model dimensions at
+B=1, S=2C, H=2, each call timed once by the wall clock, no profiler, no kernel resources.
 """
 import json
 import os
@@ -33,51 +41,79 @@ import sys
 import tempfile
 import time
 
-import torch
-
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+# the fields of configs.override taken as they are, and those built from config fields
+SCALAR_RULES = ("tile_chunks", "scan_sync", "measured_arch", "smem_limit")
+LIST_RULES = ("state", "output")
+KEYS = ({"name", "direct", "check", "patch"} | set(SCALAR_RULES) | set(LIST_RULES)
+        | {f"{k}_{s}" for k in LIST_RULES for s in ("cfg", "min")})
 
 
-def _override(m: dict, over: dict, what: str) -> dict:
-    unknown = set(over) - set(m)
-    if unknown:  # a misspelt key would otherwise change nothing, silently
-        raise KeyError(f"{what}: no meta entries {sorted(unknown)}")
-    return dict(m, **over)
+def check_variant(variant: dict) -> None:
+    """Raise ValueError for a variant without a name or with a key this script does not know (a
+    misspelt key would otherwise change nothing, silently)."""
+    if not isinstance(variant.get("name"), str):
+        raise ValueError(f"every variant needs a \"name\": {variant}")
+    unknown = sorted(set(variant) - KEYS)
+    if unknown:
+        hint = (" (meta entries are no longer overridden: change mamba3_mimo/configs.py "
+                "through a \"patch\")" if any("meta" in k for k in unknown) else "")
+        raise ValueError(f"{variant['name']}: unknown keys {unknown}; known: {sorted(KEYS)}"
+                         + hint)
 
 
-def apply(variant: dict) -> None:
-    """Patch the dispatcher so that `impl="chunked"` runs this variant."""
-    import functools
-    from mamba3_mimo import dispatch
-    from mamba3_mimo.kernels import chunk_output, chunk_state, launcher
-    if "direct" in variant:
-        launcher.DIRECT = bool(variant["direct"])
-    meta, states, outputs = dispatch._meta, dispatch._state_candidates, dispatch._output_candidates
-    dispatch._meta = lambda pb: _override(meta(pb), variant.get("meta", {}), variant["name"])
-    # meta entries for one kernel only (e.g. its PREC); wraps keeps the launcher's __module__,
-    # which keys the dispatcher's config cache
-    for key, module in (("state_meta", chunk_state), ("output_meta", chunk_output)):
-        if key in variant:
-            module.launches = functools.wraps(module.launches)(
-                lambda a, out, m, *rest, _orig=module.launches, _over=variant[key], **kw:
-                _orig(a, out, _override(m, _over, variant["name"]), *rest, **kw))
-    def first(cfg: dict, over: dict, low: dict) -> dict:
-        cfg = dict(cfg, **over)
-        return dict(cfg, **{k: max(cfg[k], v) for k, v in low.items()})
+def kernel_problem(pb):
+    """The Problem whose configs the kernels of a call of `pb` run with: its chunks as the
+    kernels take them (a single chunk shortened to the length, sub-chunks of chunks beyond a
+    tile), as the public entry rewrites them."""
+    import dataclasses
+    from mamba3_mimo import configs
+    from mamba3_mimo.phases import bwd_fwd
+    C = pb.C if pb.C <= pb.S else bwd_fwd.one_chunk_size(pb.C, pb.S, pb.R)
+    return dataclasses.replace(pb, C=configs.kernel_chunk_size(C, pb.R))
 
-    for key, orig, name in (("state", states, "_state_candidates"),
-                            ("output", outputs, "_output_candidates")):
-        over, low = variant.get(f"{key}_cfg", {}), variant.get(f"{key}_min", {})
-        if over or low:
-            setattr(dispatch, name, lambda pb, m, orig=orig, over=over, low=low:
-                    [first(orig(pb, m)[0], over, low)] + orig(pb, m)[1:])
+
+def rules(variant: dict, pb) -> dict:
+    """The keyword arguments of configs.override for this variant on problem `pb`."""
+    import dataclasses
+    from mamba3_mimo import configs
+    scalars = {k: variant[k] for k in SCALAR_RULES if k in variant}
+    over = dict(scalars)
+    with configs.override(**scalars):  # e.g. measured_arch decides chunk_output's list
+        for key, cls, candidates in (("state", configs.StateConfig, configs.state_candidates),
+                                     ("output", configs.OutputConfig,
+                                      configs.output_candidates)):
+            listed = ([cls(**c) for c in variant[key]] if key in variant
+                      else candidates(kernel_problem(pb)))
+            first, low = variant.get(f"{key}_cfg", {}), variant.get(f"{key}_min", {})
+            if first or low:
+                cfg = dataclasses.replace(listed[0], **first)
+                cfg = dataclasses.replace(cfg, **{k: max(getattr(cfg, k), v)
+                                                  for k, v in low.items()})
+                listed = [cfg] + list(listed[1:])
+            if key in variant or first or low:
+                over[key] = listed
+    return over
+
+
+def kernel_functions() -> list:
+    """Every triton.JITFunction defined in the modules of mamba3_mimo.kernels, each once."""
+    import importlib
+    import pkgutil
+    import mamba3_mimo.kernels
+    from triton.runtime.jit import JITFunction
+    found = {}
+    for info in pkgutil.iter_modules(mamba3_mimo.kernels.__path__):
+        module = importlib.import_module(f"mamba3_mimo.kernels.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, JITFunction):
+                found[id(obj)] = obj
+    return list(found.values())
 
 
 def launched_kernels() -> list:
     """Record (name, registers, spills) of every compiled kernel launched from now on; spills is
     Triton's n_spills, the local memory per thread in 4-byte words (bytes / 4)."""
-    from test_gpu import kernel_functions
     log = []
     for fn in kernel_functions():
         def run(*args, _orig=fn.run, _fn=fn, grid, warmup, **kwargs):
@@ -92,45 +128,59 @@ def launched_kernels() -> list:
 
 def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     """Time one variant in this process; with `check`, also its errors on the sweep."""
-    import triton
-    from conftest import THRESHOLDS, rel_rms
-    from mamba3_mimo import api
-    from mamba3_mimo.bench import kernel_ms
-    from mamba3_mimo.inputs import make_inputs, official_shapes
-    from mamba3_mimo.kernels import launcher
+    import torch
+    from mamba3_mimo import configs, mamba3_mimo_bwd_fwd
+    from mamba3_mimo.bench import kernel_ms, problem_of
+    from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, sweep_shapes
     from mamba3_mimo.reference import bwd_fwd_reference
-    from test_bwd_fwd import _sweep_shapes
+    from mamba3_mimo.runtime import launcher
+    from mamba3_mimo.testing import OUTPUTS, THRESHOLDS, rel_rms
 
-    apply(variant)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run in the interpreter
-    log = launched_kernels() if dev == "cuda" else []
-    res = dict(name=variant["name"], times={}, device={}, kernels={}, worst_err_over_thr=0.0,
-               errors={})
-    for s in official_shapes():
-        if shape_filter not in s.name:
-            continue
-        a = make_inputs(s, torch.bfloat16, os.environ.get("AB_Z", "1") != "0", device=dev,
-                        seed=1)
+    check_variant(variant)
+    if "direct" in variant:
+        launcher.DIRECT = bool(variant["direct"])
+    gpu = torch.cuda.is_available()
+    dev = "cuda" if gpu else "cpu"  # cpu: a dry run in the interpreter
+    log = launched_kernels() if gpu else []
+    res = dict(name=variant["name"], times={}, device={}, kernels={}, plans={},
+               worst_err_over_thr=0.0, errors={})
+    shapes = [] if shape_filter == "none" else [s for s in official_shapes()
+                                                if shape_filter in s.name]
+    for s in shapes:
+        run_shape = s if gpu else Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)
+        a = make_inputs(run_shape, torch.bfloat16, os.environ.get("AB_Z", "1") != "0",
+                        device=dev, seed=1)
         a.pop("adt")
-        log.clear()
-        # the log patches fn.run, which direct launches bypass after a signature's first launch
-        direct, launcher.DIRECT = launcher.DIRECT, False
-        api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked")
-        launcher.DIRECT = direct
-        res["kernels"][s.name] = sorted(set(log))
-        res["times"][s.name] = triton.testing.do_bench(
-            lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"), rep=25,
-            return_mode="median")
-        if dev == "cuda":
-            res["device"][s.name] = kernel_ms(
-                lambda: api.bwd_fwd(**a, output_dtype=torch.bfloat16, impl="chunked"))
-    names = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
-    for s in _sweep_shapes() if check else []:
+        a["output_dtype"] = torch.bfloat16
+
+        def call(a=a):
+            return mamba3_mimo_bwd_fwd(**a)
+
+        pb = problem_of(a)
+        with configs.override(**rules(variant, pb)):
+            res["plans"][s.name] = configs.preferred(pb).describe()
+            log.clear()
+            # the log patches fn.run, which direct launches bypass after a signature's first
+            # launch
+            direct, launcher.DIRECT = launcher.DIRECT, False
+            call()
+            launcher.DIRECT = direct
+            res["kernels"][s.name] = sorted(set(log))
+            if gpu:
+                from triton.testing import do_bench
+                res["times"][s.name] = do_bench(call, rep=25, return_mode="median")
+                res["device"][s.name] = kernel_ms(call)
+            else:
+                t0 = time.perf_counter()
+                call()
+                res["times"][s.name] = (time.perf_counter() - t0) * 1e3
+    for s in sweep_shapes() if check else []:
         a = make_inputs(s, torch.bfloat16, device=dev, seed=7)
         a.pop("adt")
         golden = bwd_fwd_reference(**a)
-        outs = api.bwd_fwd(**a, impl="chunked")
-        errs = {n: rel_rms(x, g) for n, x, g in zip(names, outs, golden)}
+        with configs.override(**rules(variant, problem_of(a))):
+            outs = mamba3_mimo_bwd_fwd(**a)
+        errs = {n: rel_rms(x, g) for n, x, g in zip(OUTPUTS, outs, golden)}
         res["errors"][f"{s.name}_S{s.S}_G{s.G}_rdd{s.rotary_dim_divisor}"] = errs
         res["worst_err_over_thr"] = max(res["worst_err_over_thr"],
                                         max(errs.values()) / THRESHOLDS[torch.bfloat16])
@@ -153,6 +203,11 @@ def variant_args(argv: list) -> tuple:
     VARIANTS_JSON [shape filter] [rounds]: each variant imports the repository's package, or
     with "patch" a patched copy."""
     variants = json.loads(argv[1])
+    for v in variants:
+        check_variant(v)
+    names = [v["name"] for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names must differ: {names}")
     shape_filter = argv[2] if len(argv) > 2 else ""
     rounds = int(argv[3]) if len(argv) > 3 else 2
     trees = tempfile.mkdtemp(prefix="ab_trees_")
@@ -162,10 +217,13 @@ def variant_args(argv: list) -> tuple:
 
 
 def main() -> int:
+    if len(sys.argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
     if sys.argv[1] == "--one":
         res = measure(json.loads(sys.argv[2]), sys.argv[3], sys.argv[4] == "check")
         import mamba3_mimo
-        res["package"] = os.path.dirname(mamba3_mimo.__file__)
+        res["package"] = os.path.dirname(os.path.abspath(mamba3_mimo.__file__))
         print("AB_RESULT " + json.dumps(res), flush=True)
         return 0
     variants, shape_filter, rounds, roots = variant_args(sys.argv)
@@ -173,18 +231,25 @@ def main() -> int:
     for r in range(rounds):
         for v in variants:
             t0 = time.time()
-            env = dict(os.environ, PYTHONPATH=roots[v["name"]])
+            root = roots[v["name"]]
+            env = dict(os.environ, PYTHONPATH=root)
             # the errors are deterministic: checked in the first round only
-            p = subprocess.run([sys.executable, __file__, "--one", json.dumps(v), shape_filter,
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(v),
+                                shape_filter,
                                 "check" if r == 0 and v.get("check", True) else "time"],
                                capture_output=True, text=True, env=env)
             line = [x for x in p.stdout.splitlines() if x.startswith("AB_RESULT ")]
             run = (json.loads(line[0][10:]) if line else
                    dict(name=v["name"], failed=(p.stdout + p.stderr)[-2000:]))
+            want = os.path.realpath(os.path.join(root, "mamba3_mimo"))
+            if line and os.path.realpath(run["package"]) != want:
+                # e.g. an installed copy that shadows the patched tree: not this variant's code
+                run = dict(name=v["name"], failed=f"imported {run['package']}, not {want}")
             run.update(round=r, wall_s=time.time() - t0)
             runs.append(run)
-            print(f"round {r} {v['name']}: {'ok' if line else 'FAILED'} "
-                  f"({run['wall_s']:.0f} s)", flush=True)
+            print(f"round {r} {v['name']}: {'ok' if 'times' in run else 'FAILED'} "
+                  f"({run['wall_s']:.0f} s)" + ("" if "times" in run else
+                                                 f"\n{run['failed'][-800:]}"), flush=True)
             # rewritten after every run, so that a call cut off by its time limit keeps its runs
             with open(os.path.join(os.environ.get("OUT", "."), "ab.json"), "w") as f:
                 json.dump(dict(variants=variants, runs=runs), f, indent=1)

@@ -1,47 +1,58 @@
 """Run the production path on small shapes, for compute-sanitizer on a GPU: the test sweep's
-shapes (every R, N, P and rotary divisor, GQA, tails), two chunks run as sub-chunks and, for
-bf16, the eleven official model shapes at B=1, S=64 (their dispatcher configs and output tiles).
+shapes (inputs.sweep_shapes: every R, N, P and rotary divisor, GQA, tails), two chunks run as
+sub-chunks and, for bf16, the eleven official model shapes at B=1, S=64 (their configs and output
+tiles).
 Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize.py {bf16|fp16|fp32} [filter]
 [repeats]: filter keeps the shapes whose repr contains it (e.g. "R=8, C=16"); each shape runs
 `repeats` times (default 1); MAMBA3_DIRECT=0 sends every launch through Triton's own path
-(kernels.launcher.DIRECT = False)."""
+(runtime.launcher.DIRECT = False). Without CUDA (a dry run under TRITON_INTERPRET=1) the same
+calls run on CPU tensors through the interpreter.
+"""
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from test_bwd_fwd import _sweep_shapes  # noqa: E402
+from mamba3_mimo import mamba3_mimo_bwd_fwd
+from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, sweep_shapes
+from mamba3_mimo.runtime import launcher
 
-from mamba3_mimo import api  # noqa: E402
-from mamba3_mimo.inputs import Shape, make_inputs, official_shapes  # noqa: E402
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def shapes_for(dtype: torch.dtype, shape_filter: str = "") -> list:
+    """The shapes run for one input dtype, those whose repr contains shape_filter."""
+    # and two chunks beyond the kernels' tiles, run as sub-chunks (test_bwd_fwd's large chunks)
+    shapes = sweep_shapes() + [Shape(1, 150, 2, 1, 16, 16, 4, 64),
+                               Shape(1, 130, 2, 1, 16, 16, 2, 65)]
+    if dtype == torch.bfloat16:
+        shapes += [Shape(1, 64, 2, 1, s.N, s.P, s.R, s.C) for s in official_shapes()]
+    return [s for s in shapes if shape_filter in repr(s)]
 
 
 def main() -> None:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[sys.argv[1]]
+    if len(sys.argv) < 2 or sys.argv[1] not in DTYPES:
+        raise SystemExit(f"usage: {sys.argv[0]} {{bf16|fp16|fp32}} [filter] [repeats]")
+    dtype = DTYPES[sys.argv[1]]
     shape_filter = sys.argv[2] if len(sys.argv) > 2 else ""
     repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     if os.environ.get("MAMBA3_DIRECT") == "0":
-        from mamba3_mimo.kernels import launcher
         launcher.DIRECT = False
-    # and two chunks beyond the kernels' tiles, run as sub-chunks (test_bwd_fwd's large chunks)
-    shapes = _sweep_shapes() + [Shape(1, 150, 2, 1, 16, 16, 4, 64),
-                                Shape(1, 130, 2, 1, 16, 16, 2, 65)]
-    if dtype == torch.bfloat16:
-        shapes += [Shape(1, 64, 2, 1, s.N, s.P, s.R, s.C) for s in official_shapes()]
-    shapes = [s for s in shapes if shape_filter in repr(s)]
+    shapes = shapes_for(dtype, shape_filter)
     if not shapes:
         raise SystemExit(f"no shape matches {shape_filter!r}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     # bf16 also with a bf16 output: the fp32 state scratch is then separate from `states`
     # (with an fp32 output they are one tensor)
     outputs = (torch.bfloat16, torch.float32) if dtype == torch.bfloat16 else (torch.float32,)
     for s in shapes:
-        a = make_inputs(s, dtype, device="cuda", seed=5)
+        a = make_inputs(s, dtype, device=device, seed=5)
         a.pop("adt")
         for _ in range(repeats):
             for out_dtype in outputs:
-                api.bwd_fwd(**a, output_dtype=out_dtype, impl="chunked")
-                torch.cuda.synchronize()
+                mamba3_mimo_bwd_fwd(**a, output_dtype=out_dtype)
+                if device == "cuda":
+                    torch.cuda.synchronize()
         print(sys.argv[1], s, "done", flush=True)
 
 

@@ -24,9 +24,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import mamba3_mimo  # noqa: E402
-from mamba3_mimo import api, dispatch  # noqa: E402
+from mamba3_mimo import configs  # noqa: E402
 from mamba3_mimo.inputs import Shape, make_inputs  # noqa: E402
+from mamba3_mimo.phases import bwd_fwd  # noqa: E402
 from mamba3_mimo.reference import bwd_fwd_reference  # noqa: E402
+from mamba3_mimo.testing import (DTYPE_NAMES, OUTPUTS, SEQ_OUTPUT_DTYPE,  # noqa: E402,F401
+                                 THRESHOLDS, rel_max, rel_rms, threshold)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -61,14 +64,12 @@ if not ON_GPU:
 
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (CPU runs the interpreter)")
 
-OUTPUTS = ("states", "qk_dot", "dmimo_o", "dmimo_z", "dz")
-SEQ_OUTPUT_DTYPE = ("states", "qk_dot", "dz")  # written in output_dtype; the others in fp32
 MAX_CHECKED = ("qk_dot", "dmimo_z")  # also checked by max error
-THRESHOLDS = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 5e-3}
-DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPE_IDS = DTYPE_NAMES
 
-# "dispatch" is the public entry (mamba3_mimo_bwd_fwd); the others force one implementation.
-IMPLS = ("dispatch", "stage0", "chunked")
+# "dispatch" is the public entry (mamba3_mimo_bwd_fwd, the production path); "stage0" the
+# baseline, through bwd_fwd(impl="stage0").
+IMPLS = ("dispatch", "stage0")
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +87,7 @@ def run_op(args: dict, impl: str = "dispatch", **extra):
     kwargs = {**args, **extra}
     if impl == "dispatch":
         return mamba3_mimo.mamba3_mimo_bwd_fwd(**kwargs)
-    return api.bwd_fwd(**kwargs, impl=impl)
+    return bwd_fwd.bwd_fwd(**kwargs, impl=impl)
 
 
 def op_args(inputs: dict) -> dict:
@@ -113,22 +114,6 @@ def problem(shape: Shape, dtype: torch.dtype, z_gate: bool = True, d_skip: bool 
 
 
 # ---------------------------------------------------------------------------- error measures
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64 (absolute ||x|| when ref is all zeros)."""
-    x, ref = x.double(), ref.double()
-    den = ref.norm().item()
-    num = (x - ref).norm().item()
-    return num / den if den > 0 else num
-
-
-def rel_max(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|x - ref| / max|ref| in float64."""
-    x, ref = x.double(), ref.double()
-    den = ref.abs().max().item() if ref.numel() else 0.0
-    num = (x - ref).abs().max().item() if ref.numel() else 0.0
-    return num / den if den > 0 else num
 
 
 # worst error seen per (output, input dtype): filled by assert_close_to_golden, printed at the end
@@ -167,7 +152,7 @@ def assert_close_to_golden(name: str, out, golden, bench, dtype: torch.dtype,
     n_bad = (~torch.isfinite(out)).sum().item()
     assert n_bad == 0, f"{name}: {n_bad} non-finite elements (unwritten or overflow)"
 
-    thr = max(THRESHOLDS[dtype], THRESHOLDS[out_written])
+    thr = threshold(dtype, out_written)
     err, bench_err = rel_rms(out, golden), rel_rms(bench, golden)
     mx = rel_max(out, golden) if name in MAX_CHECKED else None
     bench_mx = rel_max(bench, golden) if name in MAX_CHECKED else None
@@ -211,7 +196,7 @@ def record_launches(monkeypatch, forward: bool = True) -> list:
     `launcher.launch_kernel` or a call plan's `launcher.BoundLaunch`, which its
     `launcher.BoundGroup` is made to call every time); forward=False records
     without launching, which leaves the outputs unwritten."""
-    from mamba3_mimo.kernels import launcher
+    from mamba3_mimo.runtime import launcher
     log = []
     launch, bound_launch = launcher.launch_kernel, launcher.BoundLaunch.__call__
 
@@ -238,9 +223,9 @@ def fresh_dispatch_caches():
     """Each test starts without cached configs and call plans: tests change what the dispatcher
     picks (monkeypatched candidates, tile sizes, shared-memory limits), and a plan cached by an
     earlier test for the same signature would skip those choices."""
-    dispatch.clear_caches()
+    configs.clear_caches()
     yield
-    dispatch.clear_caches()
+    configs.clear_caches()
 
 
 # ---------------------------------------------------------------------------- summary hook

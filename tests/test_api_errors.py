@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import DEVICE, op_args, run_op, seed_for
-from mamba3_mimo import api, dispatch
+from mamba3_mimo import configs
+from mamba3_mimo.phases import bwd_fwd
+from mamba3_mimo.runtime.device import check_device
 from mamba3_mimo.inputs import Shape, make_inputs
 
 SHAPE = Shape(B=1, S=20, H=2, G=1, N=16, P=8, R=2, C=8)
@@ -138,27 +140,27 @@ def test_bad_output_dtype(good, output_dtype):
 
 
 def test_tiles_beyond_the_kernels():
-    """The kernels' tiles compile up to 128 (step, rank) rows. dispatch.run refuses a larger
+    """The kernels' tiles compile up to 128 (step, rank) rows. bwd_fwd.run refuses a larger
     chunk tile, naming chunk_size and R (the public entry splits such chunks, test_bwd_fwd's
     test_large_chunks), and an R whose one-step tile is larger is refused, naming R, for
     every impl."""
     from mamba3_mimo.kernels import next_pow2
     for C, R in ((64, 4), (32, 8), (129, 1)):
-        assert next_pow2(C) * next_pow2(R) > dispatch.MAX_TILE_ROWS
+        assert next_pow2(C) * next_pow2(R) > configs.MAX_TILE_ROWS
         with pytest.raises(NotImplementedError, match=rf"chunk_size={C} with R={R}\b"):
-            dispatch.check_tile_rows(C, R)
-    dispatch.check_tile_rows(16, 8)
-    dispatch.check_tile_rows(128, 1)
+            configs.check_tile_rows(C, R)
+    configs.check_tile_rows(16, 8)
+    configs.check_tile_rows(128, 1)
     shape = Shape(1, 4, 2, 1, 2, 2, 129, 1, rotary_dim_divisor=2)
     args = op_args(make_inputs(shape, torch.float32, False, False, device=DEVICE, seed=1))
-    for impl in ("auto", "chunked", "stage0"):
+    for impl in bwd_fwd.IMPLS:
         with pytest.raises(NotImplementedError, match=r"R=129\b.*R <= 128"):
-            api.bwd_fwd(**args, impl=impl)
+            bwd_fwd.bwd_fwd(**args, impl=impl)
 
 
 def test_bad_impl(good):
     with pytest.raises(ValueError, match=r"\bimpl\b"):
-        api.bwd_fwd(**good, impl="fastest")
+        bwd_fwd.bwd_fwd(**good, impl="fastest")
 
 
 # ---------------------------------------------------------------------------- devices
@@ -172,7 +174,7 @@ def no_interpreter(monkeypatch):
 
 def test_cpu_without_interpreter(no_interpreter):
     with pytest.raises(NotImplementedError, match="(?i)interpret"):
-        dispatch.check_device(torch.device("cpu"))
+        check_device(torch.device("cpu"))
 
 
 def test_public_entry_cpu_without_interpreter(no_interpreter):
@@ -184,15 +186,15 @@ def test_public_entry_cpu_without_interpreter(no_interpreter):
 def test_cuda_older_than_sm80(no_interpreter, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    dispatch.clear_caches()  # the dispatcher caches each device's capability
+    configs.clear_caches()  # each device's capability is cached
     try:
         with pytest.raises(NotImplementedError, match=r"7\.5|sm_?75|sm_80"):
-            dispatch.check_device(torch.device("cuda", 0))
+            check_device(torch.device("cuda", 0))
     finally:
-        dispatch.clear_caches()  # forget the pretended 7.5
+        configs.clear_caches()  # forget the pretended 7.5
 
 
 @pytest.mark.parametrize("device", ["meta", "mps"])
 def test_other_device_types(no_interpreter, device):
     with pytest.raises(NotImplementedError):
-        dispatch.check_device(torch.device(device))
+        check_device(torch.device(device))

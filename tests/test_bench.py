@@ -1,12 +1,15 @@
-"""The benchmark harness on the CPU: its HBM byte count against BENCHMARK.md's floor table, and
-its reporting loop (JSON, markdown, the per-row partial file) with the GPU timing replaced."""
+"""The benchmark harness on the CPU: its HBM byte count against BENCHMARK.md's floor table, one
+config's measurement (every candidate run, the plan named) and its reporting loop (JSON,
+markdown, the per-row partial file), with the GPU timing replaced."""
 import json
 
 import pytest
 import torch
+import triton.testing
 
-from mamba3_mimo import bench
-from mamba3_mimo.inputs import official_shapes
+from conftest import DEVICE
+from mamba3_mimo import bench, configs
+from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
 
 # BENCHMARK.md, "The floor": MB with bf16 and with fp32 outputs, Z gate on
 FLOOR_MB = {
@@ -36,12 +39,14 @@ def test_report_loop_writes_results(tmp_path, monkeypatch):
     gives one row per candidate, the markdown has a table per (Z, output) group, and the
     partial rows file is gone once the report is written."""
     seen = []
+    assert bench.CANDIDATES == ("stage0", "auto")
 
-    def fake_config(cfg, rounds, with_stage0, upstream, bar, rep_ms):
+    def fake_config(cfg, rounds, with_stage0, upstream, bar, rep_ms, previous=None):
+        assert previous is None  # no --previous
         seen.append(rep_ms)
         s = cfg.shape
         rows = []
-        for n, ms in (("stage0", 4.0), ("chunked", 1.0), ("auto", 1.0)):
+        for n, ms in (("stage0", 4.0), ("auto", 1.0)):
             up = None if cfg.control else upstream.get((s.name, cfg.z))
             rows.append(dict(shape=s.name, label=cfg.label, control=cfg.control, B=s.B, S=s.S,
                              H=s.H, G=s.G, N=s.N, P=s.P, R=s.R, C=s.C, z=cfg.z, d_skip=True,
@@ -50,7 +55,8 @@ def test_report_loop_writes_results(tmp_path, monkeypatch):
                              median_ms=ms, kernels_ms=0.8 if n == "auto" else None,
                              kernels_error=None, error=None, hbm_bytes=1, floor_ms=0.1,
                              upstream_ms=up, upstream_over_ms=up / ms if up else None,
-                             stage0_over_ms=4.0 / ms, ms_over_floor=ms / 0.1))
+                             stage0_over_ms=4.0 / ms, previous_over_ms=None,
+                             ms_over_floor=ms / 0.1))
         bar.update(rounds + 1)
         return rows
 
@@ -60,12 +66,69 @@ def test_report_loop_writes_results(tmp_path, monkeypatch):
                                                         torch="t", triton="tr", python="p"))
     monkeypatch.setattr(bench, "bench_config", fake_config)
     assert bench.main(["--quick", "--rep-ms", "25", "--out", str(tmp_path)]) == 0
-    n_cfgs = len(bench.configs(None, (torch.bfloat16,)))
+    n_cfgs = len(bench.bench_configs(None, (torch.bfloat16,)))
     assert seen == [25] * n_cfgs
     data = json.loads((tmp_path / "results.json").read_text())
-    assert len(data["results"]) == 3 * n_cfgs
+    assert len(data["results"]) == len(bench.CANDIDATES) * n_cfgs
+    assert [r["candidate"] for r in data["results"][:2]] == list(bench.CANDIDATES)
     assert not (tmp_path / "partial.jsonl").exists()
     md = (tmp_path / "results.md").read_text()
     assert md.count("### Z gate") == 2 and "geometric mean" in md
     assert "auto kernels ms" in md and "| 0.800 |" in md
     assert all(g["kernels_ms"] == pytest.approx(0.8) for g in data["geomean"])
+
+
+class _Bar:
+    def __init__(self):
+        self.n, self.descriptions = 0, []
+
+    def set_description(self, desc: str) -> None:
+        self.descriptions.append(desc)
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+
+
+def test_bench_config_runs_every_candidate(monkeypatch):
+    """bench_config on one official config, its model dims at B=1, S=2C, H=2 (on the CPU through
+    the interpreter) and the GPU's timing replaced by fixed times around real calls: one row per
+    candidate in bench.CANDIDATES' order, none failed, each with its rounds and ratios, and the
+    production row naming the configs the rules prefer for the problem."""
+    cfg = bench.Config(official_shapes()[0], True, torch.bfloat16)
+    s = cfg.shape
+    small = Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)
+    calls = []
+
+    def inputs(shape, *args, device, **kwargs):
+        assert shape == s and device == "cuda"
+        return make_inputs(small, *args, device=DEVICE, **kwargs)
+
+    def do_bench(fn, rep, return_mode):
+        assert return_mode == "median"
+        calls.append(fn.keywords["impl"])
+        fn()
+        return {"stage0": 4.0, "auto": 1.0}[fn.keywords["impl"]]
+
+    monkeypatch.setattr(bench, "make_inputs", inputs)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(bench, "kernel_ms", lambda fn, calls=20: (fn(), {"k": 0.5, "j": 0.25})[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    bar, rounds = _Bar(), 2
+    rows = bench.bench_config(cfg, rounds, True, {(s.name, True): 2.0}, bar, rep_ms=5)
+    assert [r["candidate"] for r in rows] == list(bench.CANDIDATES)
+    assert calls == list(bench.CANDIDATES) * rounds
+    assert bar.n == rounds + 1 and len(bar.descriptions) == 1
+    args = make_inputs(small, torch.bfloat16, True, True, device=DEVICE)
+    args.pop("adt")
+    plan = configs.preferred(bench.problem_of(dict(args, output_dtype=cfg.out))).describe()
+    by = {r["candidate"]: r for r in rows}
+    for name, ms in (("stage0", 4.0), ("auto", 1.0)):
+        r = by[name]
+        assert r["error"] is None and r["first_call_s"] is not None, r
+        assert r["ms_rounds"] == [ms] * rounds and r["median_ms"] == ms
+        assert r["upstream_ms"] == 2.0 and r["upstream_over_ms"] == pytest.approx(2.0 / ms)
+        assert r["stage0_over_ms"] == pytest.approx(4.0 / ms)
+        assert r["ms_over_floor"] == pytest.approx(ms / bench.floor_ms(s, cfg.out, True))
+    assert by["auto"]["plan"] == plan and by["stage0"]["plan"] is None
+    assert by["auto"]["kernels_ms"] == pytest.approx(0.75) and by["auto"]["kernels_error"] is None
+    assert by["stage0"]["kernels_ms"] is None

@@ -80,6 +80,17 @@ def test_accesses_stay_inside_arguments(shape, impl, bounds_checked):
     assert not bounds_checked, "\n".join(bounds_checked[:10])
 
 
+def test_careful_rerun_stays_inside_arguments(bounds_checked):
+    """chunk_output's rerun of a tile that met a NaN (in v at step 20 of 40; two output tiles of
+    two chunks and a partial one) stays inside its arguments too."""
+    shape = Shape(1, 40, 2, 1, 16, 48, 2, 8)
+    args = op_args(make_inputs(shape, torch.float32, True, True, seed=seed_for(shape, "nan")))
+    args["v"] = args["v"].clone()
+    args["v"][0, 20, 1, 5] = float("nan")
+    run_op(args, output_dtype=torch.bfloat16)
+    assert not bounds_checked, "\n".join(bounds_checked[:10])
+
+
 @triton.jit
 def _copy_kernel(src, dst, n_load, n_store, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)

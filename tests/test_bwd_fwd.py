@@ -9,7 +9,10 @@ import torch
 
 from conftest import (DEVICE, DTYPE_IDS, IMPLS, ON_GPU, check_outputs, op_args, problem,
                       run_op, seed_for)
-from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
+from mamba3_mimo import configs
+from mamba3_mimo.configs import OutputConfig, StateConfig
+from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, sweep_shapes
+from mamba3_mimo.runtime.device import interpreter_active
 from mamba3_mimo.reference import bwd_fwd_reference, decay_pieces
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
@@ -190,26 +193,12 @@ def test_tail(S, C, impl):
 
 # ---------------------------------------------------------------------------- sweep
 
-def _sweep_shapes():
-    """Every R, N, P and rotary_dim_divisor value (not their product), G = H, and many chunks
-    (a chunk count that is no multiple of the kernels' chunk grouping, with a partial last one)."""
-    shapes = [Shape(1, 32, 2, 1, 16, 16, R, 16) for R in (1, 2, 3, 4, 8)]
-    shapes += [Shape(1, 32, 2, 2, 64, 16, 2, 16, rotary_dim_divisor=rdd) for rdd in (2, 4)]
-    shapes += [Shape(1, 16, 1, 1, 16, 16, 2, 8, rotary_dim_divisor=2)]
-    # N = 256: step_terms' 16-step programs, three of them, the last one partial
-    shapes += [Shape(1, 40, 1, 1, 256, 16, 2, 8), Shape(1, 16, 1, 1, 256, 128, 2, 8)]
-    shapes += [Shape(1, 16, 1, 1, 16, P, 2, 8) for P in (64, 128)]
-    shapes += [Shape(1, 32, 4, 4, 16, 16, 2, 16)]
-    shapes += [Shape(1, 197, 3, 1, 16, 16, 2, 8), Shape(1, 100, 2, 1, 16, 16, 1, 4)]
-    return shapes
-
-
 def _shape_id(s):
     return f"{s.name}_rdd{s.rotary_dim_divisor}_B{s.B}_S{s.S}_H{s.H}_G{s.G}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shape", _sweep_shapes(), ids=_shape_id)
+@pytest.mark.parametrize("shape", sweep_shapes(), ids=_shape_id)
 def test_sweep(shape, impl):
     dtype = BF16
     args, golden, bench = problem(shape, dtype, True, True)
@@ -224,13 +213,12 @@ def test_sweep(shape, impl):
                                           (2, 65, 130, 13)],
                          ids=["R4_C64_tail", "R8_C16_tail", "R3_C48", "R2_C65"])
 def test_large_chunks(R, C, S, sub, impl):
-    """Chunks beyond the kernels' 64-row tiles (dispatch.TILE_ROWS) run as sub-chunks of the
-    largest divisor of C that fits (api.split_chunks); the outputs, states at the model's chunk
-    boundaries included, match the golden computed with the model's own chunks."""
-    from mamba3_mimo import dispatch
-    assert dispatch.kernel_chunk_size(C, R) == sub
+    """Chunks beyond the kernels' 64-row tiles (configs.TILE_ROWS) run as sub-chunks of the
+    largest divisor of C that fits (bwd_fwd.split_chunks); the outputs, states at the model's
+    chunk boundaries included, match the golden computed with the model's own chunks."""
+    assert configs.kernel_chunk_size(C, R) == sub
     shape = Shape(1, S, 2, 1, 16, 16, R, C)
-    assert dispatch.select(_problem(shape)).describe().endswith(f"; sub-chunks of {sub})")
+    assert configs.preferred(_problem(shape)).describe().endswith(f"; sub-chunks of {sub}")
     args, golden, bench = problem(shape, FP32, True, True)
     check_outputs(run_op(args, impl), golden, bench, FP32)
 
@@ -238,14 +226,12 @@ def test_large_chunks(R, C, S, sub, impl):
 def test_kernel_chunk_size():
     """Every official shape runs its own chunks (tiles of 32-64 rows); larger tiles are split
     down to 64 rows, and an R whose one-step tile exceeds 64 rows runs one step per tile."""
-    from mamba3_mimo import dispatch
-    from mamba3_mimo.inputs import official_shapes
     for s in official_shapes():
-        assert dispatch.kernel_chunk_size(s.C, s.R) == s.C, s.name
+        assert configs.kernel_chunk_size(s.C, s.R) == s.C, s.name
     cases = {(16, 8): 8, (32, 4): 16, (64, 1): 64, (128, 1): 64, (12, 8): 6, (7, 16): 1,
              (16, 72): 1, (5, 128): 1}
     for (C, R), sub in cases.items():
-        assert dispatch.kernel_chunk_size(C, R) == sub, (C, R)
+        assert configs.kernel_chunk_size(C, R) == sub, (C, R)
 
 
 # ---------------------------------------------------------------------------- dtypes of outputs
@@ -271,20 +257,19 @@ def test_output_and_trap_dtypes(dtype, output_dtype, trap_dtype, impl):
 @pytest.mark.parametrize("U, C, S", [(2, 16, 75), (3, 16, 75), (8, 4, 19)],
                          ids=["U2", "U3", "U8_one_tile"])
 @pytest.mark.parametrize("output_dtype", [FP32, torch.bfloat16], ids=["out_fp32", "out_bf16"])
-def test_output_tiles_of_several_chunks(monkeypatch, U, C, S, output_dtype):
+def test_output_tiles_of_several_chunks(U, C, S, output_dtype):
     """chunk_output with tiles of U chunks over 5 chunks and a tail: the last tile is partial
     (or, for U = 8, the only one; C = 4 keeps that tile at 64 rows), cross-chunk weights come
     from step_terms' LOG_Q / LOG_K, and with a narrower output the fp32 state copy exists only
-    at tile starts. The dispatcher's U follows C and R, so most test shapes would see only its
+    at tile starts. configs.tile_chunks follows C and R, so most test shapes would see only its
     own choice."""
-    from mamba3_mimo import dispatch
-    monkeypatch.setattr(dispatch, "output_tile_chunks", lambda C, R: U)
     shape = Shape(2, S, 2, 1, 16, 16, 2, C)
-    assert dispatch._meta(_problem(shape))["U"] == U  # the forced U reaches the kernels
-    for z_gate in (True, False):
-        args, golden, bench = problem(shape, FP32, z_gate, True)
-        check_outputs(run_op(args, "chunked", output_dtype=output_dtype), golden, bench, FP32,
-                      output_dtype)
+    with configs.override(tile_chunks=U):
+        assert configs.constants(_problem(shape)).U == U  # the forced U reaches the kernels
+        for z_gate in (True, False):
+            args, golden, bench = problem(shape, FP32, z_gate, True)
+            check_outputs(run_op(args, output_dtype=output_dtype), golden, bench, FP32,
+                          output_dtype)
 
 
 # ---------------------------------------------------------------------------- state forms
@@ -296,62 +281,50 @@ def test_output_tiles_of_several_chunks(monkeypatch, U, C, S, output_dtype):
     (Shape(1, 40, 2, 1, 16, 16, 2, 16), FP16, BF16),
     (Shape(1, 8, 2, 1, 16, 16, 2, 8), FP32, BF16)],
     ids=["gqa_tail_fp32", "U4_bf16", "fp16_keep_fp32", "one_chunk"])
-def test_state_forms(monkeypatch, shape, dtype, output_dtype):
-    """The dispatcher's two state passes, the split increments + state passing and the fused
-    scan (with one and two N-pair blocks), each match the golden and repeat bit for bit. (They
-    need not agree bitwise with each other: on sm_90 the scan's 8-pair dot runs on mma.sync and
-    the others on wgmma, which sum in different orders.) Cases: GQA with a tail and fp32
-    outputs (states hold the fp32 state), output tiles of U = 4 chunks with the rounded states,
-    the fp32 copy at tile starts (fp16 inputs, bf16 outputs), and a single chunk (no loop)."""
-    from mamba3_mimo import dispatch
+def test_state_forms(shape, dtype, output_dtype):
+    """The two state passes, the split increments + state passing and the fused scan (with one
+    and two N-pair blocks), each match the golden and repeat bit for bit. (They need not agree
+    bitwise with each other: on sm_90 the scan's 8-pair dot runs on mma.sync and the others on
+    wgmma, which sum in different orders.) Cases: GQA with a tail and fp32 outputs (states hold
+    the fp32 state), output tiles of U = 4 chunks with the rounded states, the fp32 copy at tile
+    starts (fp16 inputs, bf16 outputs), and a single chunk (no loop)."""
     args, golden, bench = problem(shape, dtype, True, True)
-    split = dispatch._state_candidates
     for scan, BJ in ((False, 16), (True, 8), (True, 16)):
-        monkeypatch.setattr(dispatch, "_state_candidates",
-                            lambda pb, m, scan=scan, BJ=BJ: [dict(split(pb, m)[-1], SCAN=scan,
-                                                                  BJ=BJ, BP=64, num_warps=4)])
-        dispatch.clear_caches()
-        outs = run_op(args, "chunked", output_dtype=output_dtype)
-        check_outputs(outs, golden, bench, dtype, output_dtype)
-        again = run_op(args, "chunked", output_dtype=output_dtype)
+        with configs.override(state=[StateConfig(scan=scan, BJ=BJ, BP=64)]):
+            outs = run_op(args, output_dtype=output_dtype)
+            check_outputs(outs, golden, bench, dtype, output_dtype)
+            again = run_op(args, output_dtype=output_dtype)
         assert all(torch.equal(x, y) for x, y in zip(outs, again) if x is not None), (scan, BJ)
-    dispatch.clear_caches()
 
 
 @pytest.mark.parametrize("dtype, output_dtype", [(FP32, FP32), (FP16, BF16), (BF16, BF16)],
                          ids=["fp32_alias", "fp16_keep_fp32", "bf16"])
-def test_state_passing_groups(monkeypatch, dtype, output_dtype):
+def test_state_passing_groups(dtype, output_dtype):
     """state_passing loads DEPTH chunks' increments and decays before chaining them; the chain
     itself is unchanged, so every DEPTH gives the outputs of DEPTH = 1 bit for bit: groups that
     divide the 10 chained chunks or not (3), one group longer than them (16), with the states
     aliasing the increments (fp32 outputs) and with the fp32 copy at tile starts."""
-    from mamba3_mimo import dispatch
     shape = Shape(1, 85, 2, 1, 16, 16, 2, 8)  # 11 chunks, the last one partial
     args, golden, bench = problem(shape, dtype, True, True)
     first = None
     for depth in (1, 3, 8, 16):
-        monkeypatch.setattr(dispatch, "PASSING_DEPTH", depth)
-        dispatch.clear_caches()
-        plan = dispatch.select(dataclasses.replace(_problem(shape, dtype),
-                                                   output_dtype=output_dtype))
-        assert plan.state_cfg["DEPTH"] == depth and not plan.state_cfg["SCAN"]
-        outs = run_op(args, "chunked", output_dtype=output_dtype)
+        split = StateConfig(scan=False, BJ=8, BP=64, DEPTH=depth)
+        with configs.override(state=[split]):
+            assert configs.preferred(_problem(shape, dtype)).state == split
+            outs = run_op(args, output_dtype=output_dtype)
         if first is None:
             check_outputs(outs, golden, bench, dtype, output_dtype)
             first = outs
         assert all(torch.equal(x, y) for x, y in zip(outs, first) if x is not None), depth
-    dispatch.clear_caches()
 
 
 def test_state_form_rule():
-    """The dispatcher runs the fused scan from N = SCAN_MIN_N and the split form below, on every
-    official shape, and says which in its plan."""
-    from mamba3_mimo import dispatch
-    from mamba3_mimo.inputs import official_shapes
+    """The fused scan from N = SCAN_MIN_N and the split form below, on every official shape,
+    and the description says which."""
     for s in official_shapes(B=1, S=64, H=2):
-        plan = dispatch.select(_problem(s))
-        assert plan.state_cfg["SCAN"] == (s.N >= dispatch.SCAN_MIN_N), s.name
-        assert ("state_scan" in plan.describe()) == plan.state_cfg["SCAN"]
+        chosen = configs.preferred(_problem(s))
+        assert chosen.state.scan == (s.N >= configs.SCAN_MIN_N), s.name
+        assert ("state_scan" in chosen.describe()) == chosen.state.scan
 
 
 def test_output_register_cap_rule():
@@ -359,107 +332,87 @@ def test_output_register_cap_rule():
     config: 128 registers up to N = OUTPUT_SMALL_N (64) and at N = 128 with R = 4 and C <= 16
     (there without the prefetch), 168 elsewhere and in the config that takes both P blocks of
     P = 128; the prefetch wherever R > 1 and output_maxnreg is 168 or N <= 64
-    (docs/optimisation.md, steps 22, 46, 57, 58 and 60)."""
-    from mamba3_mimo import dispatch
-    from mamba3_mimo.inputs import official_shapes
+    (docs/performance.md, "Configuration rules")."""
     small = {"N16_P64_R4_C8", "N32_P64_R4_C16", "N64_P64_R4_C16", "N64_P128_R4_C16",
              "N128_P64_R4_C16", "N128_P32_R4_C16", "N128_P128_R4_C8"}
     for s in official_shapes(B=1, S=64, H=2):
         pb = _problem(s)
         want = 128 if s.name in small else 168
-        assert dispatch.output_maxnreg(s.N, s.R, s.C) == want, s.name
-        cfgs = dispatch._output_candidates(pb, dispatch._meta(pb))
-        assert dispatch.select(pb).output_cfg == cfgs[0], s.name
+        assert configs.output_maxnreg(s.N, s.R, s.C) == want, s.name
+        cfgs = configs.output_candidates(pb)
+        assert configs.preferred(pb).output == cfgs[0], s.name
         paired = s.P == 128
-        assert [c["PB"] for c in cfgs][:2] == ([2, 1] if paired else [1, 1]), s.name
-        assert cfgs[0]["maxnreg"] == (168 if paired else want), s.name
-        assert all(c["maxnreg"] == want for c in cfgs[paired:]), s.name
+        assert [c.PB for c in cfgs][:2] == ([2, 1] if paired else [1, 1]), s.name
+        assert cfgs[0].maxnreg == (168 if paired else want), s.name
+        assert all(c.maxnreg == want for c in cfgs[paired:]), s.name
         want_prefetch = s.R > 1 and (s.N <= 64 or want == 168)
-        assert dispatch.output_prefetch(s.N, s.R, s.C) == want_prefetch, s.name
-    assert not dispatch.output_small(128, 4, 32) and dispatch.output_small(128, 3, 16)
+        assert configs.output_prefetch(s.N, s.R, s.C) == want_prefetch, s.name
+    assert not configs.output_small(128, 4, 32) and configs.output_small(128, 3, 16)
 
 
 def test_step_terms_steps_rule():
-    """step_terms runs 16 steps per program at N = 256 and 32 below (docs/optimisation.md,
-    steps 62 and 67), on every official shape."""
-    from mamba3_mimo import dispatch
-    from mamba3_mimo.inputs import official_shapes
+    """step_terms runs 16 steps per program at N = 256 and 32 below, on every official shape."""
     for s in official_shapes(B=1, S=64, H=2):
-        assert dispatch._meta(_problem(s))["STEP_BS"] == (16 if s.N == 256 else 32), s.name
+        assert configs.constants(_problem(s)).STEP_BS == (16 if s.N == 256 else 32), s.name
 
 
-def test_output_configs_off_hopper(monkeypatch):
-    """On GPUs whose dots run on mma.sync (dispatch.measured_arch false: sm_80-89, sm_120)
+def test_output_configs_off_hopper():
+    """On GPUs whose dots run on mma.sync (configs.measured_arch false: sm_80-89, sm_120)
     chunk_output takes 16-pair N blocks, 32-column P blocks, one P block per program and 168
-    registers on every official shape, then 16-column P blocks, where the H200's
-    configs spill 136-2608 bytes per thread (docs/optimisation.md, step 66); with it a shape
-    with a partial last chunk and a partial P block stays within the thresholds. On the CPU
-    and on the H200 the measured configs apply."""
-    from mamba3_mimo import dispatch
-    assert dispatch.measured_arch(torch.device(DEVICE))
-    monkeypatch.setattr(dispatch, "measured_arch", lambda device: False)
-    dispatch.clear_caches()
-    try:
+    registers on every official shape, then 16-column P blocks, where the H200's configs spill
+    136-2608 bytes per thread; with it a shape with a partial last chunk and a partial P block
+    stays within the thresholds. On the CPU and on the H200 the measured configs apply."""
+    assert configs.measured_arch(torch.device(DEVICE))
+    with configs.override(measured_arch=False):
         for s in official_shapes(B=1, S=64, H=2):
             pb = _problem(s)
-            cfgs = dispatch._output_candidates(pb, dispatch._meta(pb))
-            portable = dict(BJ=16, BP=32, PB=1, num_warps=4, num_stages=1, maxnreg=168)
-            assert cfgs == [portable, dict(portable, BP=16)], s.name
-            assert dispatch.select(pb).output_cfg == cfgs[0], s.name
+            cfgs = configs.output_candidates(pb)
+            portable = OutputConfig(BJ=16, BP=32, PB=1, maxnreg=168)
+            assert cfgs == [portable, dataclasses.replace(portable, BP=16)], s.name
+            assert configs.preferred(pb).output == cfgs[0], s.name
         shape = Shape(1, 40, 2, 1, 16, 48, 2, 16)  # three chunks, the last partial; P = 32 + 16
         args, golden, bench = problem(shape, FP32, True, True)
-        check_outputs(run_op(args, "chunked", output_dtype=BF16), golden, bench, FP32, BF16)
-    finally:
-        dispatch.clear_caches()  # forget the configs chosen under the pretended architecture
+        check_outputs(run_op(args, output_dtype=BF16), golden, bench, FP32, BF16)
 
 
 @pytest.mark.parametrize("P, pb", [(128, 2), (80, 2), (65, 2), (64, 1), (48, 1)])
-def test_output_p_blocks_per_program(monkeypatch, P, pb):
-    """Where P takes two 64-column blocks (65-128), the dispatcher's first chunk_output config
-    has one program take both (PB = 2, half the programs along P); the outputs stay within the
-    thresholds with PB = 2, where the second block may be partial or all masked but one column,
-    and with the one-block-per-program fallback that a smaller shared memory would select. A
-    PB = 2 run repeats bit for bit."""
-    from mamba3_mimo import dispatch
+def test_output_p_blocks_per_program(P, pb):
+    """Where P takes two 64-column blocks (65-128), the first chunk_output config has one program
+    take both (PB = 2, half the programs along P); the outputs stay within the thresholds with
+    PB = 2, where the second block may be partial or all masked but one column, and with the
+    one-block-per-program fallback that a smaller shared memory would select. A PB = 2 run
+    repeats bit for bit."""
     shape = Shape(1, 40, 2, 1, 16, P, 2, 16)  # three chunks, the last one partial
-    assert dispatch.output_p_blocks(P) == pb
-    cfgs = dispatch._output_candidates(_problem(shape), dispatch._meta(_problem(shape)))
-    assert cfgs[0]["PB"] == pb and all(c["PB"] == 1 for c in cfgs[1:])
-    assert dispatch.select(_problem(shape)).output_cfg["PB"] == pb
+    assert configs.output_p_blocks(P) == pb
+    cfgs = configs.output_candidates(_problem(shape))
+    assert cfgs[0].PB == pb and all(c.PB == 1 for c in cfgs[1:])
+    assert configs.preferred(_problem(shape)).output.PB == pb
     if pb == 1:
         return
     args, golden, bench = problem(shape, FP32, True, True)
-    candidates = dispatch._output_candidates
     for first in (0, 1):
-        monkeypatch.setattr(dispatch, "_output_candidates",
-                            lambda pb_, m, first=first: candidates(pb_, m)[first:])
-        dispatch.clear_caches()
-        assert dispatch.select(_problem(shape)).output_cfg["PB"] == (2 if first == 0 else 1)
-        outs = run_op(args, "chunked", output_dtype=BF16)
-        check_outputs(outs, golden, bench, FP32, BF16)
-        if first == 0:
-            again = run_op(args, "chunked", output_dtype=BF16)
-            assert all(torch.equal(x, y) for x, y in zip(outs, again) if x is not None)
-    dispatch.clear_caches()
+        with configs.override(output=cfgs[first:]):
+            assert configs.preferred(_problem(shape)).output.PB == (2 if first == 0 else 1)
+            outs = run_op(args, output_dtype=BF16)
+            check_outputs(outs, golden, bench, FP32, BF16)
+            if first == 0:
+                again = run_op(args, output_dtype=BF16)
+                assert all(torch.equal(x, y) for x, y in zip(outs, again) if x is not None)
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["mma_sync", "wgmma"])
-def test_scan_dot_forms(monkeypatch, sync):
+def test_scan_dot_forms(sync):
     """The fused scan's increment through common.dot_sync (mma.sync) up to N = SCAN_SYNC_MAX_N and
     through a plain dot above it, on every official shape; each form within the thresholds on a
     scan shape with a partial last chunk."""
-    from mamba3_mimo import dispatch
-    from mamba3_mimo.inputs import official_shapes
     for s in official_shapes(B=1, S=64, H=2):
-        assert dispatch._meta(_problem(s))["SCAN_SYNC"] == (s.N <= dispatch.SCAN_SYNC_MAX_N), s.name
+        assert configs.constants(_problem(s)).SCAN_SYNC == (s.N <= configs.SCAN_SYNC_MAX_N), s.name
     shape = Shape(1, 40, 2, 1, 64, 16, 2, 16)
-    monkeypatch.setattr(dispatch, "SCAN_SYNC_MAX_N", 64 if sync else 32)
-    dispatch.clear_caches()
-    assert dispatch._meta(_problem(shape))["SCAN_SYNC"] == sync
-    assert dispatch.select(_problem(shape)).state_cfg["SCAN"]
-    args, golden, bench = problem(shape, BF16, True, True)
-    check_outputs(run_op(args, "chunked", output_dtype=FP32), golden, bench, BF16, FP32)
-    dispatch.clear_caches()
+    with configs.override(scan_sync=sync):
+        assert configs.constants(_problem(shape)).SCAN_SYNC == sync
+        assert configs.preferred(_problem(shape)).state.scan
+        args, golden, bench = problem(shape, BF16, True, True)
+        check_outputs(run_op(args, output_dtype=FP32), golden, bench, BF16, FP32)
 
 
 @pytest.mark.parametrize("N, dtype, scratch", [(64, BF16, False), (64, FP16, True),
@@ -482,7 +435,7 @@ def test_state_scratch_only_when_used(monkeypatch, N, dtype, scratch):
         return t
 
     monkeypatch.setattr(torch, "empty", recording)
-    outs = run_op(args, "chunked", output_dtype=BF16)
+    outs = run_op(args, output_dtype=BF16)
     monkeypatch.undo()
     assert ((n_states, torch.float32) in seen) == scratch
     check_outputs(outs, golden, bench, dtype, BF16)
@@ -492,27 +445,26 @@ def test_state_scratch_only_when_used(monkeypatch, N, dtype, scratch):
 
 
 def _problem(s: Shape, dtype: torch.dtype = FP32):
-    """The dispatcher's Problem of a call on inputs of this shape (validated, Z and D on)."""
+    """The validated Problem of a call on inputs of this shape (Z and D on)."""
     from mamba3_mimo.bench import problem_of
     return problem_of(op_args(make_inputs(s, dtype, True, True, device=DEVICE, seed=0)))
 
 
 def test_kernel_constants_cached_per_model():
-    """The dispatcher caches the kernels' constants per model, not per call: problems that
-    differ only in B and S share one cache entry, equal to a fresh computation, and get their
-    own lengths."""
-    from mamba3_mimo import dispatch
-    dispatch._model_meta.cache_clear()
+    """The kernels' constants are cached per model, not per call: problems that differ only in
+    B and S share one cache entry, equal to a fresh computation, and get their own lengths."""
+    configs._model_constants.cache_clear()
     small, large = Shape(1, 40, 2, 1, 16, 32, 2, 16), Shape(3, 1000, 2, 1, 16, 32, 2, 16)
-    m1, m2 = dispatch._meta(_problem(small)), dispatch._meta(_problem(large))
-    assert dispatch._model_meta.cache_info().currsize == 1
-    assert (m1["B"], m1["S"], m1["nc"], m1["S_pad"]) == (1, 40, 3, 48)
-    assert (m2["B"], m2["S"], m2["nc"], m2["S_pad"]) == (3, 1000, 63, 1008)
-    fresh = dispatch._model_meta.__wrapped__(2, 1, 16, 32, 2, 16, 4, m2["U"], FP32, FP32, True,
-                                             True, dispatch.interpreter_active())
-    assert {k: m2[k] for k in fresh} == fresh and {k: m1[k] for k in fresh} == fresh
-    dispatch._meta(_problem(large, BF16))  # another dtype is another model
-    assert dispatch._model_meta.cache_info().currsize == 2
+    m1, m2 = configs.constants(_problem(small)), configs.constants(_problem(large))
+    assert configs._model_constants.cache_info().currsize == 1
+    assert (m1.B, m1.S, m1.nc, m1.S_pad) == (1, 40, 3, 48)
+    assert (m2.B, m2.S, m2.nc, m2.S_pad) == (3, 1000, 63, 1008)
+    fresh = configs._model_constants.__wrapped__(2, 1, 16, 32, 2, 16, 4, m2.U, FP32, FP32, True,
+                                                 True, interpreter_active(), True)
+    lengths = dict(B=0, S=0, S_pad=0, nc=0)
+    assert dataclasses.replace(m2, **lengths) == fresh == dataclasses.replace(m1, **lengths)
+    configs.constants(_problem(large, BF16))  # another dtype is another model
+    assert configs._model_constants.cache_info().currsize == 2
 
 
 def test_out_states_policy():
@@ -520,16 +472,15 @@ def test_out_states_policy():
     the threshold of every output (the dtype tests above check the accuracy of each case): bf16
     inputs with 16-bit outputs, fp16 with fp16. fp32 inputs keep fp32 dmimo thresholds, and fp32
     outputs are the fp32 state already."""
-    from mamba3_mimo import dispatch
     expected = {(BF16, BF16): True, (BF16, FP16): True, (FP16, FP16): True,
                 (FP16, BF16): False, (FP32, BF16): False, (FP32, FP16): False,
                 (BF16, FP32): False, (FP16, FP32): False, (FP32, FP32): False}
     for (dtype, output_dtype), want in expected.items():
-        assert dispatch.out_states_suffice(dtype, output_dtype) is want, (dtype, output_dtype)
+        assert configs.out_states_suffice(dtype, output_dtype) is want, (dtype, output_dtype)
     shape = Shape(1, 40, 2, 1, 16, 32, 2, 16)
     pb = dataclasses.replace(_problem(shape, BF16), output_dtype=BF16)
-    assert dispatch._meta(pb)["OUT_STATES"]
-    assert not dispatch._meta(dataclasses.replace(pb, output_dtype=FP32))["OUT_STATES"]
+    assert configs.constants(pb).OUT_STATES
+    assert not configs.constants(dataclasses.replace(pb, output_dtype=FP32)).OUT_STATES
 
 
 def test_input_align():
@@ -570,21 +521,18 @@ def test_host_integer_helpers():
 def test_rank_sums_over_many_tiles():
     """dmimo_o and dmimo_z sum chunk_output's per-tile partial sums over 38 tiles, more than the
     32 that rank_sums_kernel loads at once and not a multiple of them."""
-    from mamba3_mimo import dispatch
     shape = Shape(1, 300, 2, 1, 16, 16, 8, 8)
-    assert dispatch.output_tile_chunks(shape.C, shape.R) == 1  # one chunk per tile: 38 tiles
+    assert configs.tile_chunks(shape.C, shape.R) == 1  # one chunk per tile: 38 tiles
     args, golden, bench = problem(shape, FP32, True, True)
-    check_outputs(run_op(args, "chunked"), golden, bench, FP32)
+    check_outputs(run_op(args), golden, bench, FP32)
 
 
 def test_prefetch_policy():
     """chunk_output's L2 prefetch is inline assembly: never under the interpreter, and on a
-    compiled build only where it measured faster (R > 1; optimisation.md, step 46)."""
-    from mamba3_mimo import dispatch
+    compiled build only where it measured faster (R > 1)."""
     for R, interpret, want in ((4, False, 2), (2, False, 2), (1, False, 0), (4, True, 0)):
-        m = dispatch._model_meta.__wrapped__(2, 1, 16, 32, R, 16, 4, 1, BF16, BF16, True, True,
-                                             interpret)
-        assert m["PREFETCH"] == want, (R, interpret)
+        m = configs._model_constants.__wrapped__(2, 1, 16, 32, R, 16, 4, 1, BF16, BF16, True,
+                                                 True, interpret, True)
+        assert m.PREFETCH == want, (R, interpret)
     shape = Shape(1, 40, 2, 1, 16, 32, 2, 16)
-    assert dispatch._meta(_problem(shape))["PREFETCH"] == (0 if dispatch.interpreter_active()
-                                                           else 2)
+    assert configs.constants(_problem(shape)).PREFETCH == (0 if interpreter_active() else 2)

@@ -1,10 +1,12 @@
-"""The dispatcher's call plans (dispatch._call_plans): a repeated call of one signature replays
-the launches of the first with its own tensors, and gives what a fresh plan gives."""
+"""Call plans (bwd_fwd.call_plans): a repeated call of one signature replays the launches of the
+first with its own tensors, and gives what a fresh plan gives."""
 import pytest
 import torch
 
 from conftest import DEVICE, assert_outputs_equal, check_outputs, problem, run_op
-from mamba3_mimo import dispatch
+from mamba3_mimo import configs
+from mamba3_mimo.phases import bwd_fwd
+from mamba3_mimo.runtime.plans import placeholder
 from mamba3_mimo.inputs import Shape
 
 FP32 = torch.float32
@@ -28,9 +30,9 @@ def test_replayed_call_matches_a_fresh_plan(shape, z_gate, d_skip, output_dtype)
     second, golden, bench = problem(shape, FP32, z_gate, d_skip, seed=2)
     run_op(first, output_dtype=output_dtype)
     replayed = run_op(second, output_dtype=output_dtype)
-    assert len(dispatch._call_plans) == 1, "the second call did not reuse the first's plan"
+    assert len(bwd_fwd.call_plans) == 1, "the second call did not reuse the first's plan"
     check_outputs(replayed, golden, bench, FP32, output_dtype)
-    dispatch.clear_caches()
+    configs.clear_caches()
     assert_outputs_equal(replayed, run_op(second, output_dtype=output_dtype), "replayed: ")
 
 
@@ -45,7 +47,7 @@ def test_plan_per_layout():
     assert moved["v"].stride() != args["v"].stride()
     for a in (args, moved, args, moved):
         check_outputs(run_op(a), golden, bench, FP32)
-    assert len(dispatch._call_plans) == 2
+    assert len(bwd_fwd.call_plans) == 2
 
 
 def test_one_tensor_given_twice():
@@ -56,10 +58,10 @@ def test_one_tensor_given_twice():
     aliased = dict(args, k=args["q"])
     a_golden, a_bench = _references(aliased)
     check_outputs(run_op(aliased), a_golden, a_bench, FP32)
-    assert len(dispatch._call_plans) == 0
+    assert len(bwd_fwd.call_plans) == 0
     args, golden, bench = problem(shape, FP32, True, True)
     check_outputs(run_op(args), golden, bench, FP32)
-    assert len(dispatch._call_plans) == 1
+    assert len(bwd_fwd.call_plans) == 1
     check_outputs(run_op(aliased), a_golden, a_bench, FP32)  # on the plan of distinct inputs
 
 
@@ -75,11 +77,11 @@ def test_plans_hold_no_tensors_of_a_call():
     shape = CASES[1][0]
     args, _, _ = problem(shape, FP32, True, True)
     run_op(args, output_dtype=torch.bfloat16)
-    (plan,) = dispatch._call_plans.values()
-    assert plan.launches, "a plan without launches"
-    kept = dispatch.placeholder(torch.device(DEVICE))
-    assert len(plan.group.bounds) == len(plan.launches)
-    for bound, (template, slots) in zip(plan.group.bounds, plan.launches):
+    (plan,) = bwd_fwd.call_plans.entries.values()
+    assert plan.templates, "a plan without launches"
+    kept = placeholder(torch.device(DEVICE))
+    assert len(plan.group.bounds) == len(plan.templates) == len(plan.slots)
+    for bound, template, slots in zip(plan.group.bounds, plan.templates, plan.slots):
         name = bound.fn.__name__
         held = [x for x in template if isinstance(x, torch.Tensor) and x is not kept]
         assert not held, f"{name} holds {len(held)} tensors"
@@ -90,13 +92,13 @@ def test_plans_hold_no_tensors_of_a_call():
 
 
 def test_cache_is_bounded(monkeypatch):
-    """Past MAX_CALL_PLANS signatures the cache starts afresh, and every call stays right."""
-    monkeypatch.setattr(dispatch, "MAX_CALL_PLANS", 2)
+    """Past its limit (MAX_CALL_PLANS) the cache starts afresh, and every call stays right."""
+    monkeypatch.setattr(bwd_fwd.call_plans, "limit", 2)
     for S in (16, 32, 48):
         shape = Shape(1, S, 2, 1, 16, 16, 2, 16)
         args, golden, bench = problem(shape, FP32, True, True)
         check_outputs(run_op(args), golden, bench, FP32)
-        assert 1 <= len(dispatch._call_plans) <= 2
+        assert 1 <= len(bwd_fwd.call_plans) <= 2
 
 
 # ---------------------------------------------------------------------------- entry signatures
@@ -104,19 +106,19 @@ def test_cache_is_bounded(monkeypatch):
 
 def test_repeated_call_skips_the_checks():
     """A second call of one public-entry signature finds the validated Problem and the plan
-    (dispatch.cached_call) and equals bit for bit the same call made afresh."""
+    (bwd_fwd.entry_calls) and equals bit for bit the same call made afresh."""
     shape = CASES[0][0]
     first, _, _ = problem(shape, FP32, True, True, seed=1)
     second, golden, bench = problem(shape, FP32, True, True, seed=2)
     run_op(first, output_dtype=torch.bfloat16)
-    assert len(dispatch._entry_calls) == 1
-    (pb, plan), = dispatch._entry_calls.values()
-    assert dispatch._call_plans[next(iter(dispatch._call_plans))] is plan
+    assert len(bwd_fwd.entry_calls) == 1
+    (pb, plan), = bwd_fwd.entry_calls.entries.values()
+    assert next(iter(bwd_fwd.call_plans.entries.values())) is plan
     replayed = run_op(second, output_dtype=torch.bfloat16)
-    assert len(dispatch._entry_calls) == 1 and len(dispatch._call_plans) == 1
+    assert len(bwd_fwd.entry_calls) == 1 and len(bwd_fwd.call_plans) == 1
     check_outputs(replayed, golden, bench, FP32, torch.bfloat16)
-    dispatch.clear_caches()
-    assert not dispatch._entry_calls
+    configs.clear_caches()
+    assert not len(bwd_fwd.entry_calls)
     assert_outputs_equal(replayed, run_op(second, output_dtype=torch.bfloat16), "replayed: ")
 
 
@@ -155,7 +157,7 @@ def test_calls_not_remembered(case):
         impl = "stage0"
     for _ in range(2):
         check_outputs(run_op(args, impl), golden, bench, FP32)
-    assert not dispatch._entry_calls
+    assert not len(bwd_fwd.entry_calls)
 
 
 def test_signatures_sharing_a_plan():
@@ -167,4 +169,4 @@ def test_signatures_sharing_a_plan():
             args, golden, bench = problem(shape, torch.float16, True, True,
                                           trap_dtype=trap_dtype)
             check_outputs(run_op(args), golden, bench, torch.float16)
-    assert len(dispatch._call_plans) == 1 and len(dispatch._entry_calls) == 2
+    assert len(bwd_fwd.call_plans) == 1 and len(bwd_fwd.entry_calls) == 2

@@ -1,6 +1,6 @@
-"""The production launcher (`mamba3_mimo.kernels.launcher`): its control flow, on a stand-in kernel
-with a stand-in driver (CPU), and its key against Triton's own specialisation on the production
-kernels' launch arguments (CPU or GPU; Triton's binder runs on the host)."""
+"""The production launcher (`mamba3_mimo.runtime.launcher`): its control flow, on a stand-in
+kernel with a stand-in driver (CPU), and its key against Triton's own specialisation on the
+production kernels' launch arguments (CPU or GPU; Triton's binder runs on the host)."""
 import random
 from types import SimpleNamespace
 
@@ -14,8 +14,9 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 
 from conftest import DEVICE, op_args, record_launches, run_op
 from mamba3_mimo.inputs import Shape, make_inputs, official_shapes
-from mamba3_mimo.kernels import launcher
-from mamba3_mimo.kernels.launcher import BoundLaunch, kept_kernel, launch_kernel, signature_key
+from mamba3_mimo.runtime import launcher
+from mamba3_mimo.runtime.launcher import (BoundLaunch, Launch, kept_kernel, launch_kernel,
+                                          signature_key)
 
 
 def _toy(x, y, n, m, flag, scale, BLOCK: tl.constexpr):  # its parameters only: never compiled
@@ -73,7 +74,7 @@ def fn(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(launcher, "DIRECT", True)
     monkeypatch.setattr(launcher, "driver", SimpleNamespace(active=FakeDriver))
-    monkeypatch.setattr(launcher, "_plans", {})
+    monkeypatch.setattr(launcher, "_kernel_infos", {})
     monkeypatch.setattr(launcher, "_kept", {})
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", HookChain())
     monkeypatch.setattr(knobs.runtime, "launch_exit_hook", HookChain(reversed=True))
@@ -247,7 +248,7 @@ def test_table_is_bounded(fn, monkeypatch):
 
 def test_interpreted_kernel_is_never_keyed(monkeypatch):
     """An interpreted kernel has no KernelParams: no key, rather than a key of no arguments."""
-    monkeypatch.setattr(launcher, "_plans", {})
+    monkeypatch.setattr(launcher, "_kernel_infos", {})
     interpreted = SimpleNamespace(arg_names=TOY.arg_names, pre_run_hooks=[])
     assert signature_key(interpreted, toy_args()) is None
 
@@ -260,10 +261,10 @@ def test_bound_launch_keys_as_launch_kernel(fn):
     alignment, another dtype), so the two share their kept kernels: after a bound launch,
     launch_kernel of the same arguments is direct, and the other way round."""
     bound = BoundLaunch(fn, (1,), toy_args(), dict(num_warps=4))
-    plan = launcher._plan(fn)
+    info = launcher._kernel_info(fn)
     for x in (BUF[:32], BUF[128:160], BUF[1:33], BUF[64:96].to(torch.float16)):
         args = toy_args(x=x)
-        assert bound.key(0, args) == launcher._key(plan, 0, args, dict(num_warps=4))
+        assert bound.key(0, args) == launcher._key(info, 0, args, dict(num_warps=4))
     bound(toy_args())
     launch_kernel(fn, (1,), toy_args(x=BUF[128:160]), num_warps=4)  # same signature
     launch_kernel(fn, (1,), toy_args(x=BUF[1:33]), num_warps=4)  # misaligned: new
@@ -318,6 +319,43 @@ def test_bound_launch_of_unkeyed_arguments(fn):
 def test_bound_launch_checks_the_argument_count(fn):
     with pytest.raises(AssertionError, match="6 arguments for 7 parameters"):
         BoundLaunch(fn, (1,), toy_args()[:-1], {})
+
+
+# ---------------------------------------------------------------------------- launches by name
+
+
+def test_launch_orders_arguments_by_name(fn):
+    """A Launch holds its arguments by name, in any order, and gives them in the kernel's
+    parameter order; run() is launch_kernel's launch with its grid and options (Triton's, then
+    direct)."""
+    args = toy_args()
+    launch = Launch(fn, (3,), dict(reversed(list(zip(TOY.arg_names, args)))), dict(num_warps=4))
+    assert same(launch.positional(), args)
+    first, second = launch.run(), launch.run()
+    assert paths(fn) == ["triton", "direct"] and second is first
+    _, targs, grid, options = fn.log[0]
+    assert same(targs, args) and grid == (3,) and options == {"num_warps": 4}
+    assert same(fn.log[1][1][9:], args)
+    assert kept_kernel(fn, args, num_warps=4) is first
+
+
+@pytest.mark.parametrize("change", ["missing", "unknown"])
+def test_launch_names_a_missing_or_unknown_argument(fn, change):
+    """A name left out or one the kernel does not declare is an error naming it, never an
+    argument list shifted by one."""
+    by_name = dict(zip(TOY.arg_names, toy_args()))
+    if change == "missing":
+        del by_name["n"]
+        match = r"missing arguments \['n'\], unknown arguments \[\]"
+    else:
+        by_name["extra"] = 1
+        match = r"missing arguments \[\], unknown arguments \['extra'\]"
+    launch = Launch(fn, (1,), by_name, {})
+    with pytest.raises(ValueError, match=match):
+        launch.positional()
+    with pytest.raises(ValueError, match=match):
+        launch.run()
+    assert paths(fn) == []
 
 
 # ---------------------------------------------------------------------------- bound groups
@@ -380,7 +418,7 @@ def test_group_follows_direct_hooks_and_interpreter(fn, monkeypatch):
     HOOKS["launch_enter"](fn, monkeypatch)
     run_group(group, BUF[:32])
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", HookChain())
-    monkeypatch.setattr(launcher._plan(fn), "interpreted", True)
+    monkeypatch.setattr(launcher._kernel_info(fn), "interpreted", True)
     run_group(group, BUF[:32])
     assert paths(fn) == ["triton"] * 2 + ["getitem"] * 6
 
@@ -399,13 +437,13 @@ def _jit(fn) -> JITFunction:
 
 
 def production_launches(monkeypatch, shape: Shape, seed: int = 0) -> list:
-    """(JITFunction, grid, args, options) of the production path's launches for this shape,
-    recorded without running them."""
+    """(JITFunction, grid, args, options) of the production path's launches for this shape
+    (through the public entry), recorded without running them."""
     log = record_launches(monkeypatch, forward=False)
-    run_op(op_args(make_inputs(shape, BF16, True, True, device=DEVICE, seed=seed)), "chunked")
+    run_op(op_args(make_inputs(shape, BF16, True, True, device=DEVICE, seed=seed)))
     assert [fn.__name__ for fn, *_ in log] == ["step_terms_kernel", "chunk_increment_kernel",
                                                "state_passing_kernel", "chunk_output_kernel",
-                                               "rank_sums_kernel"]
+                                               "chunk_output_kernel", "rank_sums_kernel"]
     return [(_jit(fn), grid, args, options) for fn, grid, args, options in log]
 
 
@@ -440,7 +478,7 @@ def test_signature_key_at_least_as_fine_as_triton(monkeypatch, shape):
     and random pairs changed together): argument lists with the same signature_key always have
     the same Triton cache key, i.e. get the same compiled kernel. Equivalently, lists that
     Triton specialises differently have different keys."""
-    monkeypatch.setattr(launcher, "_plans", {})
+    monkeypatch.setattr(launcher, "_kernel_infos", {})
     rng = random.Random(0)
     for fn, _, args, _ in production_launches(monkeypatch, shape):
         binder = create_function_from_signature(fn.signature, fn.params, BaseBackend)
@@ -466,7 +504,7 @@ def test_signature_key_at_least_as_fine_as_triton(monkeypatch, shape):
 def test_signature_key_ignores_batch_and_length(monkeypatch, shape):
     """Other B and S with the same model dims give the same keys: after the first call, the
     production path launches directly (the do_not_specialize parameters carry B and S)."""
-    monkeypatch.setattr(launcher, "_plans", {})
+    monkeypatch.setattr(launcher, "_kernel_infos", {})
     first = production_launches(monkeypatch, shape)
     other = Shape(3, 5 * shape.S + 3, shape.H, shape.G, shape.N, shape.P, shape.R, shape.C)
     for (fn, _, a, _), (_, _, b, _) in zip(first, production_launches(monkeypatch, other, 1)):

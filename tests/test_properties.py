@@ -10,7 +10,7 @@ from mamba3_mimo.reference import bwd_fwd_reference
 
 # B = 2 and H = G = 2 so that transposing the first two dims really changes the layout;
 # S = 40 with C = 16 so that the public entry pads a partial last chunk. N = 16 runs the split
-# state pass and N = 64 the fused scan (dispatch.SCAN_MIN_N; test_both_state_forms).
+# state pass and N = 64 the fused scan (configs.SCAN_MIN_N; test_both_state_forms).
 # The scan shape runs through the public entry only: the other impls do not depend on N.
 SHAPE = Shape(B=2, S=40, H=2, G=2, N=16, P=16, R=2, C=16)
 SCAN_SHAPE = Shape(B=2, S=40, H=2, G=2, N=64, P=16, R=2, C=16)
@@ -22,12 +22,12 @@ GATES = [(True, True), (False, False)]
 
 def test_both_state_forms():
     """The shapes of this file run both forms of the production state pass."""
-    from mamba3_mimo import dispatch
+    from mamba3_mimo import configs
     from mamba3_mimo.bench import problem_of
     forms = []
     for shape in (SHAPE, SCAN_SHAPE):
         args = op_args(make_inputs(shape, torch.float32, True, True, device=DEVICE, seed=0))
-        forms.append(dispatch.select(problem_of(args)).state_cfg["SCAN"])
+        forms.append(configs.preferred(problem_of(args)).state.scan)
     assert forms == [False, True]
 
 

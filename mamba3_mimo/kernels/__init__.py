@@ -1,6 +1,7 @@
-"""Triton kernels by family: `common` (shared math), `stage0` (baseline), `step_terms`,
-`chunk_state` and `chunk_output` (production, launched through `launcher`); and the integer
-helpers of their launchers."""
+"""The production Triton kernels by family, each module a kernel and its typed launch wrapper:
+`step_terms` (per-step terms and rotary tables), `chunk_state` (the state pass), `chunk_output`
+(outputs and partial sums); `common` holds the shared @triton.jit math. Here: the host-side
+integer helpers of their wrappers."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,7 +19,7 @@ def aligned_numel(numel: int) -> int:
     """numel rounded up to whole 256 bytes of fp32. Views of one scratch allocation start at such
     offsets, so that each is as aligned as a separate allocation whatever B and S: an alignment
     that changed with the length would make Triton compile another kernel. One allocation
-    instead of several saves host time per call (docs/optimisation.md, step 39)."""
+    instead of several saves host time per call."""
     return cdiv(numel, 64) * 64
 
 

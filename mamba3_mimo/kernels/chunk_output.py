@@ -1,25 +1,35 @@
 """Production output pass: raw_y of every tile of U consecutive chunks in parallel, then qk_dot,
 dz and the per-rank partial sums of dmimo_o / dmimo_z.
 
-Grid (B*H, tiles, P blocks). For each tile: scores = Qr Kr^T and inter = Qr states[first chunk]
+Grid (B*H * tiles, P blocks). For each tile: scores = Qr Kr^T and inter = Qr states[first chunk]
 accumulate over N-pair blocks, then raw_y = (scores * causal weights) psi_v + exp(decay since
 the tile's start) inter + D psi_v. A tile of U > 1 chunks is the chunked form with chunk U*C:
-the same sums, with the state read once per tile; the dispatcher picks U so that a tile has
+the same sums, with the state read once per tile; configs.tile_chunks picks U so that a tile has
 about 64 (step, rank) rows.
 
 inter and raw_y are computed transposed ([BP, rows]): tf32 wgmma reads shared-memory operands
 only K-major, and the state and psi_v tiles arrive P-contiguous, so as B operands they were
 copied into shared memory transposed, with 8-way bank conflicts. As A operands they go to the
-dot from registers instead (docs/optimisation.md, step 19).
+dot from registers instead.
+
+Non-finite inputs. The tile's dots multiply every step's k and v by the causal weights, zero
+for later steps, and 0 * NaN is NaN: a NaN or Inf in k or v at step t' would reach the outputs
+of the tile's earlier steps. A second launch of the kernel (CAREFUL) checks each tile's partial
+sums, which any non-finite value of the tile reaches, and recomputes only the tiles where one
+is not finite, with the later steps masked out; a non-finite v poisons its column from its step
+on. Outputs of a step then depend only on that step and earlier ones (docs/api.md, "NaN and
+Inf"). The check is a separate launch so that the fast path's code and registers stay as
+they are: compiled into one kernel, the rerun's code made the fast path spill.
 """
+import torch
 import triton
 import triton.language as tl
 
+from ..runtime.launcher import Launch
 from . import cdiv, input_align, next_pow2
-from .common import (chunk_rows, dot, mac, gate_epilogue_steps, load_cos_sin, load_psi_v_steps,
-                     load_rotated, opaque, prefetch, prefetch_steps, store_qk_dot,
-                     store_rank_sums, tile_weights)
-from .launcher import Launch
+from .common import (chunk_rows, dot, gate_epilogue_steps, load_cos_sin, load_mimo_v,
+                     load_rotated, load_v_steps, mac, opaque, prefetch, prefetch_steps,
+                     psi_v_rows, store_qk_dot, store_rank_sums, tile_weights)
 from .step_terms import GAMMA, K_DECAY, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 
@@ -53,26 +63,25 @@ def _pair_block(scores, inter, q_ptr, q_off, k_ptr, k_off, cos_ptr, sin_ptr, cs_
     return scores, inter
 
 
-@triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "sqb", "skb", "svb",
-                               "sgb", "sgh"])
-def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
-                        sin, segsum, states, qk_dot, dz, part_o, part_z,
-                        S, S_pad, plane, nc, n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn,
-                        skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
-                        N: tl.constexpr, P: tl.constexpr, C,
-                        TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
-                        RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                        U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
-                        PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
-                        BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr):
-    """Tile o of one (b, h) and PB consecutive P blocks: chunks o*U .. o*U + U - 1 (those < nc),
-    TP >= U*C steps. The scores are computed once for the PB blocks. sqb, skb, svb, sgb, sgh
-    come divided by BA (kernels.input_align)."""
-    bh = tl.program_id(0).to(tl.int64)
-    # the last tiles first: the state pass wrote their states last, so those are the ones
-    # still in L2 when this kernel starts (docs/optimisation.md, step 53)
-    o = (n_tiles - 1 - tl.program_id(1)).to(tl.int64)
-    pid_p = tl.program_id(2)
+@triton.jit
+def _finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@triton.jit
+def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin, segsum,
+          states, qk_dot, dz, part_o, part_z, bh, o, pid_p, S, S_pad, plane, nc, n_tiles, H, HG,
+          sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
+          N: tl.constexpr, P: tl.constexpr, C, TP: tl.constexpr, RP: tl.constexpr,
+          HALF: tl.constexpr, RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
+          U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+          EXACT: tl.constexpr, OPAQUE: tl.constexpr, BA: tl.constexpr, PREFETCH: tl.constexpr,
+          PB: tl.constexpr, CAREFUL: tl.constexpr):
+    """Tile o of head bh and PB consecutive P blocks from block pid_p: chunks o*U .. o*U + U - 1
+    (those < nc), TP >= U*C steps; the scores are computed once for the PB blocks. CAREFUL (the
+    rerun of a tile that met a non-finite value): the causal mask is applied to the weighted
+    scores rather than through zero weights, non-finite v is zeroed in the dot and its column
+    poisoned from its step on, and qk_dot is not stored again."""
     b, h = bh // H, bh % H
     g = h // HG
     t, r = chunk_rows(TP, RP)
@@ -85,14 +94,16 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     p = p0 + tl.arange(0, BP)  # the columns of its first block
     pm = p < P
     row = bh * S_pad
+    plane = tl.cast(plane, tl.int64)  # six planes of B*H*S_pad steps can pass 2**31
     st = states + (bh * nc + o * U) * N * P
-    qx, q_off = q + b * (sqb * BA) + g * sqg, tg * sqs + r * sqr
-    kx, k_off = k + b * (skb * BA) + g * skg, tg * sks + r * skr
-    vh = b * (svb * BA) + h * svh  # the (b, h) slice of v, dout and z
+    # batch strides come divided by BA; (b * stride) first, so that the product is 64-bit
+    qx, q_off = q + b * sqb * BA + g * sqg, tg * sqs + r * sqr
+    kx, k_off = k + b * skb * BA + g * skg, tg * sks + r * skr
+    vh = b * svb * BA + h * svh  # the (b, h) slice of v, dout and z
     # The inputs of the weights, psi_v and the epilogue are read only after the dots: asked for
-    # now, their misses overlap the pair blocks' loads and dots (docs/optimisation.md, step 46).
+    # now, their misses overlap the pair blocks' loads and dots.
     ts_ok = tt < steps
-    seg = segsum + b * (sgb * BA) + h * (sgh * BA) + o * U * sgc
+    seg = segsum + b * sgb * BA + h * sgh * BA + o * U * sgc
     prefetch(seg, tt * C, ts_ok, PREFETCH)
     for kind in tl.static_range(GAMMA, LOG_K + 1):
         if kind != K_DECAY and (U > 1 or kind < LOG_Q):
@@ -113,16 +124,17 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
             pm = p < P
         inter = tl.zeros([BP, TP * RP], dtype=tl.float32)  # transposed
         # Unrolled: the loads of every pair block are issued together, so the program waits
-        # for memory about once instead of once per block (docs/optimisation.md, step 3). The
-        # scores come with the first P block; later ones read q again, not k.
+        # for memory about once instead of once per block. The scores come with the first P
+        # block; later ones read q again, not k.
         for j0 in tl.static_range(0, HALF, BJ):
             scores, inter = _pair_block(scores, inter, qx, q_off, kx, k_off, cos + row * RD,
                                         sin + row * RD, tg * RD, rows, q_bias + h * R * N,
                                         k_bias + h * R * N, r * N, st, p, pm, j0, HALF, RD,
                                         sqn, skn, P, BJ, j0 < RD, PREC, OPAQUE, pp == 0)
         if pp == 0:
-            store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r,
-                         rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT, True)
+            if not CAREFUL:
+                store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r,
+                             rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT, True)
             gamma = tl.load(terms + GAMMA * plane + row + t0 + tt, mask=ts_ok, other=0.0)
             trap_scale = tl.load(terms + TRAP_SCALE * plane + row + t0 + tt, mask=ts_ok,
                                  other=0.0)
@@ -133,10 +145,18 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
             w = tile_weights(seg, log_q, log_k, tt, ts_ok, C, gamma, trap_scale, RP, U)
             # The order of these statements (the columns before the loop, the weighted scores
             # before the psi_v loads, q_decay after them) is, of those tried, the one that spills
-            # least at 128 registers (docs/optimisation.md, steps 61 and 63).
-            sw_t = tl.trans(scores * w)
-        psi_v = load_psi_v_steps(v + vh, (t0 + tt) * svs, ts_ok,
-                                 mimo_v + h * R * P, R, p, pm, P, svp, RP)
+            # least at 128 registers.
+            if CAREFUL:
+                sw_t = tl.trans(tl.where(t[None, :] <= t[:, None], scores * w, 0.0))
+            else:
+                sw_t = tl.trans(scores * w)
+        x = load_v_steps(v + vh, (t0 + tt) * svs, ts_ok, p, pm, svp)
+        if CAREFUL:
+            x_bad = ~_finite(x.to(tl.float32))
+            x = tl.where(x_bad, 0.0, x.to(tl.float32))
+            # a column's outputs are poisoned from the step of its first non-finite v on
+            poison = tl.cumsum(x_bad.to(tl.int32), axis=0) > 0
+        psi_v = psi_v_rows(x, load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP))
         if pp == 0:
             q_decay = tl.load(terms + Q_DECAY * plane + row + tg, mask=rows, other=0.0)
         psi_t = tl.trans(psi_v)
@@ -145,6 +165,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
             raw_t += tl.load(d + h) * psi_t
         # [BP, TP * RP] -> [TP, RP, BP]: a relabelling of the dot's layout, no data movement
         raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
+        if CAREFUL:
+            raw = tl.where(poison[:, None, :], float("nan"), raw)
         sum_o, sum_z = gate_epilogue_steps(raw, dout + vh, z + vh,
                                            (t0 + tt) * svs, out_ok,
                                            mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P,
@@ -152,6 +174,45 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                                            HAS_Z, 2 if OPAQUE else 1)  # the sigmoid: inline asm
         part = (bh * n_tiles + o) * R * P
         store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
+
+
+@triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "n_bh", "sqb", "skb",
+                               "svb", "sgb", "sgh"])
+def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
+                        sin, segsum, states, qk_dot, dz, part_o, part_z,
+                        S, S_pad, plane, nc, n_tiles, n_bh, H, HG, sqb, sqs, sqr, sqg, sqn,
+                        skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
+                        N: tl.constexpr, P: tl.constexpr, C,
+                        TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
+                        RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
+                        U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+                        PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
+                        BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr,
+                        CAREFUL: tl.constexpr):
+    """One tile of one (b, h) and PB P blocks (`_tile`). CAREFUL: the second launch, which
+    reruns the tile only if its dmimo_o partial sums from the first are not all finite (any NaN
+    or Inf of the tile's raw_y reaches dout * gate * raw_y). sqb, skb, svb, sgb, sgh come
+    divided by BA (kernels.input_align)."""
+    # (b*h, tile) flattened on grid axis 0, b*h fastest: axis 1 would cap the tiles at 65,535.
+    # The last tiles first: the state pass wrote their states last, so those are the ones
+    # still in L2 when this kernel starts.
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid % n_bh
+    o = n_tiles - 1 - pid // n_bh
+    pid_p = tl.program_id(1)
+    rerun = not CAREFUL
+    if CAREFUL:
+        r = tl.arange(0, RP)
+        p = pid_p * PB * BP + tl.arange(0, PB * BP)
+        sums = tl.load(part_o + (bh * n_tiles + o) * R * P + r[:, None] * P + p[None, :],
+                       mask=(r < R)[:, None] & (p < P)[None, :], other=0.0)
+        rerun = tl.sum(tl.sum((~_finite(sums)).to(tl.int32), axis=1), axis=0) > 0
+    if rerun:
+        _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin,
+              segsum, states, qk_dot, dz, part_o, part_z, bh, o, pid_p, S, S_pad, plane, nc,
+              n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh,
+              svp, sgb, sgh, sgc, R, N, P, C, TP, RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC,
+              EXACT, OPAQUE, BA, PREFETCH, PB, CAREFUL)
 
 
 @triton.jit(do_not_specialize=["n_bh", "n_tiles", "s_part"])
@@ -168,45 +229,54 @@ def rank_sums_kernel(parts, sums, n_bh, n_tiles, s_part, RP_SIZE: tl.constexpr,
     src = parts + (i // n_bh) * s_part + (i % n_bh) * n_tiles * RP_SIZE
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for t0 in range(0, n_tiles, ROWS):
-        t = t0 + tl.arange(0, ROWS)
+        t = tl.cast(t0 + tl.arange(0, ROWS), tl.int64)  # tiles x R*P can pass 2**31
         x = tl.load(src + t[:, None] * RP_SIZE + col[None, :],
                     mask=(t < n_tiles)[:, None] & cm[None, :], other=0.0)
         acc += tl.sum(x, axis=0)
     tl.store(sums + i * RP_SIZE + col, acc, mask=cm)
 
 
-def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
-    """The launch that writes qk_dot, dz and the dmimo partial sums, reading chunk_state's
-    states (the `states` output with meta["OUT_STATES"], else the fp32 copy in out["inc"]) and
-    step_terms' out["terms"], out["cos"], out["sin"]; cfg holds BJ, BP, PB (P blocks per
-    program), num_warps, num_stages, maxnreg; meta["U"] the chunks per tile, meta["TPO"] its
-    padded steps.
-
-    out["part_o"], out["part_z"]: [B*H, n_tiles, R, P] fp32 scratch, n_tiles = cdiv(nc, U),
-    views of out["parts"] ([n_sums, B, H, n_tiles, R, P]); then the launch that reduces them over
-    the tiles into out["dmimo"] ([n_sums, B, H, R, P] fp32: dmimo_o, and dmimo_z with Z).
-    """
-    m = meta
-    B, H = m["B"], m["H"]
-    n_tiles = cdiv(m["nc"], m["U"])
-    grid = (B * H, n_tiles, cdiv(m["P"], cfg["BP"] * cfg["PB"]))
-    seg = a["segsum"]
-    qs, ks, vs, gs = a["q"].stride(), a["k"].stride(), a["v"].stride(), seg.stride()
-    BA = input_align(m["ALIGN"], a["q"], a["k"], a["v"], seg)
-    args = (
-        a["q"], a["k"], a["v"], a["dout"], a["z"], a["q_bias"], a["k_bias"], a["mimo_v"],
-        a["mimo_o"], a["mimo_z"], a["d"], out["terms"], out["cos"], out["sin"], seg,
-        out["states"] if m["OUT_STATES"] else out["inc"], out["qk_dot"], out["dz"], out["part_o"],
-        out["part_z"],
-        m["S"], m["S_pad"], B * H * m["S_pad"], m["nc"], n_tiles, H, H // m["G"],
-        qs[0] // BA, *qs[1:], ks[0] // BA, *ks[1:], vs[0] // BA, *vs[1:], gs[0] // BA,
-        gs[1] // BA, gs[2], m["R"], m["N"], m["P"], m["C"], m["TPO"], m["RP"], m["N"] // 2,
-        m["RD"], cfg["BJ"], cfg["BP"], m["U"], m["HAS_Z"], m["HAS_D"], m["PREC"], m["EXACT"],
-        m["OPAQUE"], BA, m["PREFETCH"], cfg["PB"])
-    parts, sums, RP = out["parts"], out["dmimo"], m["R"] * m["P"]
-    BLOCK = min(128, next_pow2(RP))
-    return [Launch(chunk_output_kernel, grid, args, dict(
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])),
-            Launch(rank_sums_kernel, (parts.shape[0] * B * H, cdiv(RP, BLOCK)),
-                   (parts, sums, B * H, n_tiles, parts.stride(0), RP, BLOCK, 32),
-                   dict(num_warps=4))]
+def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+             z: torch.Tensor, q_bias: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
+             mimo_o: torch.Tensor, mimo_z: torch.Tensor, d: torch.Tensor, segsum: torch.Tensor,
+             terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, states: torch.Tensor,
+             qk_dot: torch.Tensor, dz: torch.Tensor, parts: torch.Tensor, part_o: torch.Tensor,
+             part_z: torch.Tensor, dmimo: torch.Tensor, consts, cfg) -> list:
+    """The launch that writes qk_dot [B, H, S, R, R], dz [B, S, H, P] and the dmimo partial sums,
+    its rerun of the tiles that met a non-finite value (CAREFUL), then the one that reduces the
+    partial sums into dmimo [n_sums, B, H, R, P] fp32 (dmimo_o, and dmimo_z with Z). Reads the padded inputs (q, k [B, S_pad, R, G, N]; v, dout, z [B, S_pad, H, P];
+    segsum [B, H, nc, C, C]; z and mimo_z, d may be stand-ins when absent), step_terms' terms,
+    cos, sin and chunk_state's `states` (the output, or its fp32 copy). part_o, part_z:
+    [B*H, n_tiles, R, P] fp32 views of parts [n_sums, B, H, n_tiles, R, P], n_tiles =
+    cdiv(nc, U). cfg: configs.OutputConfig."""
+    m = consts
+    B, H = m.B, m.H
+    n_tiles = cdiv(m.nc, m.U)
+    BA = input_align(m.ALIGN, q, k, v, segsum)
+    qs, ks, vs, gs = q.stride(), k.stride(), v.stride(), segsum.stride()
+    kwargs = dict(
+        q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
+        mimo_o=mimo_o, mimo_z=mimo_z, d=d, terms=terms, cos=cos, sin=sin, segsum=segsum,
+        states=states, qk_dot=qk_dot, dz=dz, part_o=part_o, part_z=part_z,
+        S=m.S, S_pad=m.S_pad, plane=B * H * m.S_pad, nc=m.nc, n_tiles=n_tiles, n_bh=B * H, H=H,
+        HG=H // m.G, sqb=qs[0] // BA, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
+        skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
+        svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3],
+        sgb=gs[0] // BA, sgh=gs[1] // BA, sgc=gs[2], R=m.R, N=m.N, P=m.P, C=m.C, TP=m.TPO,
+        RP=m.RP, HALF=m.N // 2, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, U=m.U, HAS_Z=m.HAS_Z,
+        HAS_D=m.HAS_D, PREC=m.PREC, EXACT=m.EXACT, OPAQUE=m.OPAQUE, BA=BA, PREFETCH=m.PREFETCH,
+        PB=cfg.PB)
+    RP_SIZE = m.R * m.P
+    BLOCK = min(128, next_pow2(RP_SIZE))
+    grid = (B * H * n_tiles, cdiv(m.P, cfg.BP * cfg.PB))
+    return [Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=False),
+                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        maxnreg=cfg.maxnreg)),
+            # the rerun of tiles that met a non-finite value: programs of clean tiles load their
+            # partial sums and exit
+            Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=True),
+                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        maxnreg=cfg.maxnreg)),
+            Launch(rank_sums_kernel, (parts.shape[0] * B * H, cdiv(RP_SIZE, BLOCK)), dict(
+                parts=parts, sums=dmimo, n_bh=B * H, n_tiles=n_tiles, s_part=parts.stride(0),
+                RP_SIZE=RP_SIZE, BLOCK=BLOCK, ROWS=32), dict(num_warps=4))]

@@ -8,13 +8,14 @@ states[c] = states[c-1] exp(da_cs[end of c-1]) + inc[c-1], a serial loop of mult
 with the running state in registers and each chunk's increment computed in the loop, so that no
 increment goes through memory; the next chunk's inputs are loaded before the present chunk's math.
 """
+import torch
 import triton
 import triton.language as tl
 
+from ..runtime.launcher import Launch
 from . import cdiv, input_align
 from .common import (chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_v_steps, psi_v_rows, rotate_pairs)
-from .launcher import Launch
 from .step_terms import K_DECAY
 
 
@@ -35,12 +36,13 @@ def _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c, C, t, r, rows, tt, live, p, pm, 
                   svs, svp, j0, HALF, RD, BJ: tl.constexpr):
     """What chunk c's increment reads, as loaded (nothing where `live` is false): k's pair
     columns, cos/sin and the k decay weights (K_DECAY row at w_x) of the rows, and v of the
-    steps; kx, vx, cos_x, sin_x, w_x point at the (b, h) slices."""
-    tg = c * C + t
+    steps; kx, vx, cos_x, sin_x, w_x point at the (b, h) slices. Step offsets are 64-bit: a
+    step times a step stride can pass 2**31 on long sequences."""
+    tg = tl.cast(c * C + t, tl.int64)
     x1, x2 = load_pair_columns(kx, tg * sks + r * skr, rows & live, j0, BJ, HALF, skn)
     cs, sn = load_cos_sin(cos_x, sin_x, tg * RD, rows & live, j0, BJ, RD)
     w = tl.load(w_x + tg, mask=rows & live, other=0.0)
-    xv = load_v_steps(vx, (c * C + tt) * svs, (tt < C) & live, p, pm, svp)
+    xv = load_v_steps(vx, tl.cast(c * C + tt, tl.int64) * svs, (tt < C) & live, p, pm, svp)
     return x1, x2, cs, sn, w, xv
 
 
@@ -69,9 +71,10 @@ def _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC: tl.constexpr, SYNC: tl.c
             dot_sync(psi_t, k2 * w[:, None], PREC, SYNC, OPAQUE))
 
 
-@triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
+@triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb", "n_bh"])
 def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
-                           S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh,
+                           S_pad, plane, nc, n_bh, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs,
+                           svh,
                            svp, R, N: tl.constexpr, P: tl.constexpr, C,
                            TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                            BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
@@ -79,14 +82,17 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     """inc[b, h, c + 1] = sum_{t in chunk c} k_w[t]^T psi_v[t] with
     k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1. skb and svb come
     divided by BA (kernels.input_align)."""
-    bh = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(2), n_jb, H, R, C, P, TP, RP, BJ, BP)
+    # (b*h, chunk) flattened on grid axis 0, b*h fastest: axis 1 would cap nc at 65,535
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid % n_bh
+    c = pid // n_bh
+    b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     row = bh * S_pad
     b1, b2 = load_pair_columns(k_bias + h * R * N, r * N, rows, j0, BJ, HALF, 1)
     x1, x2, cs, sn, w, xv = _chunk_inputs(
-        k + b * (skb * BA) + (h // HG) * skg, v + b * (svb * BA) + h * svh, cos + row * RD,
-        sin + row * RD, terms + K_DECAY * plane + row, c, C, t, r, rows, tl.arange(0, TP), True,
+        k + b * skb * BA + (h // HG) * skg, v + b * svb * BA + h * svh, cos + row * RD,
+        sin + row * RD, terms + K_DECAY * tl.cast(plane, tl.int64) + row, c, C, t, r, rows,
+        tl.arange(0, TP), True,
         p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv,
                                         load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP))
@@ -105,10 +111,10 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
     The chunks go in groups of DEPTH, each group's increments and decays loaded before its
     first update: the serial chain then waits for memory once per group instead of once per
     chunk. Its length, not the bandwidth, bounds this kernel where the grid is about one
-    program per SM (docs/optimisation.md, step 47).
+    program per SM.
 
     inc may alias states (fp32 outputs): each slice is read before it is overwritten. With
-    KEEP_FP32 (narrower outputs that chunk_output may not read, dispatch.out_states_suffice) the
+    KEEP_FP32 (narrower outputs that chunk_output may not read, configs.out_states_suffice) the
     fp32 state also replaces inc[c] for the chunks that start a chunk_output tile (c % U == 0),
     the only ones it reads, at full precision."""
     bh = tl.program_id(0).to(tl.int64)
@@ -124,15 +130,16 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
         log_decays = ()
         for i in tl.static_range(DEPTH):
             live = c0 + i < nc  # past the last chunk: x = 0 and decay 1, nothing stored
-            xs += (tl.load(inc + base + (c0 + i) * NP_SIZE, mask=m & live, other=0.0),)
+            at = tl.cast(c0 + i, tl.int64) * NP_SIZE  # chunks x N*P can pass 2**31
+            xs += (tl.load(inc + base + at, mask=m & live, other=0.0),)
             log_decays += (tl.load(da_cs + bh * S_pad + (c0 + i) * C - 1, mask=live, other=0.0),)
         for i in tl.static_range(DEPTH):
             c = c0 + i
+            at = tl.cast(c, tl.int64) * NP_SIZE
             running = running * tl.exp(log_decays[i]) + xs[i]
-            tl.store(states + base + c * NP_SIZE, running.to(states.dtype.element_ty),
-                     mask=m & (c < nc))
+            tl.store(states + base + at, running.to(states.dtype.element_ty), mask=m & (c < nc))
             if KEEP_FP32:
-                tl.store(inc + base + c * NP_SIZE, running, mask=m & (c < nc) & (c % U == 0))
+                tl.store(inc + base + at, running, mask=m & (c < nc) & (c % U == 0))
 
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
@@ -150,9 +157,10 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)
     row = bh * S_pad
-    kx = k + b * (skb * BA) + (h // HG) * skg
-    vx = v + b * (svb * BA) + h * svh
-    cos_x, sin_x, w_x = cos + row * RD, sin + row * RD, terms + K_DECAY * plane + row
+    kx = k + b * skb * BA + (h // HG) * skg
+    vx = v + b * svb * BA + h * svh
+    cos_x, sin_x = cos + row * RD, sin + row * RD
+    w_x = terms + K_DECAY * tl.cast(plane, tl.int64) + row
     b1, b2 = load_pair_columns(k_bias + h * R * N, r * N, rows, j0, BJ, HALF, 1)
     mv = load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP)
     j = j0 + tl.arange(0, BJ)
@@ -166,8 +174,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         tl.store(keep + off, run1, mask=m)
         tl.store(keep + off + HALF * P, run2, mask=m)
     # chunk 0's inputs; in the loop, chunk c + 2's are loaded before chunk c's math, so that the
-    # serial loop waits for memory only when the math is shorter than a load (step 9 waited
-    # once per chunk)
+    # serial loop waits for memory only when the math is shorter than a load
     x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 0, C, t, r, rows, tt,
                                           nc > 1, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
                                           BJ)
@@ -178,7 +185,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
                                           nc > 2, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
                                           BJ)
     # da_cs at the end of each chunk, one chunk ahead as well: loaded where it is used, this
-    # scalar held up every step of the chain (18 % of the scan's stall samples, step 44)
+    # scalar held up every step of the chain (18 % of the scan's stall samples)
     log_decay = tl.load(da_cs + row + C - 1)
     for c in range(0, nc - 1):
         nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c + 2, C, t, r,
@@ -189,7 +196,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         decay = tl.exp(log_decay)
         run1 = run1 * decay + inc1
         run2 = run2 * decay + inc2
-        so = off + (c + 1) * N * P
+        so = off + tl.cast(c + 1, tl.int64) * (N * P)  # chunks x N*P can pass 2**31
         tl.store(states + so, run1.to(states.dtype.element_ty), mask=m)
         tl.store(states + so + HALF * P, run2.to(states.dtype.element_ty), mask=m)
         if KEEP_FP32:
@@ -202,36 +209,40 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         log_decay = next_log_decay
 
 
-def launches(a: dict, out: dict, meta: dict, cfg: dict) -> list:
-    """The launches that write out["states"]; after them, out["inc"] (an fp32 tensor of the
-    states' shape, or out["states"] itself for fp32 outputs) holds the fp32 states of the chunks
-    that start an output tile, unless meta["OUT_STATES"] says that chunk_output reads
-    out["states"] (with the scan, out["inc"] may then be a one-element stand-in, never written).
+def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
+             da_cs: torch.Tensor, terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             states: torch.Tensor, inc: torch.Tensor, consts, cfg) -> list:
+    """The launches that write states [B, H, nc, N, P] from k [B, S_pad, R, G, N], v
+    [B, S_pad, H, P], k_bias [H, R, N], mimo_v [H, R, P], da_cs [B, H, S_pad] and step_terms'
+    terms, cos, sin. `inc` is fp32 of the states' shape, or `states` itself for fp32 outputs,
+    or a one-element stand-in where consts.OUT_STATES lets chunk_output read `states` and the
+    scan runs (never written then); otherwise it ends holding the fp32 states of the chunks
+    that start an output tile.
 
-    cfg: SCAN picks the fused state_scan_kernel (BJ, BP, num_warps) over chunk_increment (BJ,
-    BP, num_warps) with state_passing (BLOCK, DEPTH), which use out["inc"] as their fp32
-    scratch. The first launch is the one whose resources decide the config; chunk_increment's
-    grid is empty for a single chunk.
-    """
-    m = meta
-    B, H, N, P = m["B"], m["H"], m["N"], m["P"]
+    cfg (configs.StateConfig): scan picks the fused state_scan_kernel over chunk_increment with
+    state_passing, which use `inc` as their fp32 scratch. The first launch is the one whose
+    resources decide the config; chunk_increment's grid is empty for a single chunk."""
+    m = consts
+    B, H, N, P = m.B, m.H, m.N, m.P
     half = N // 2
-    n_jb = cdiv(half, cfg["BJ"])
-    ks, vs = a["k"].stride(), a["v"].stride()
-    BA = input_align(m["ALIGN"], a["k"], a["v"])
-    keep_fp32 = out["inc"] is not out["states"] and not m["OUT_STATES"]
-    head = (a["k"], a["v"], a["k_bias"], a["mimo_v"], out["terms"], out["cos"], out["sin"])
-    dims = (m["S_pad"], B * H * m["S_pad"], m["nc"], H, H // m["G"], n_jb, ks[0] // BA, *ks[1:],
-            vs[0] // BA, *vs[1:], m["R"], N, P, m["C"])
-    warps = dict(num_warps=cfg["num_warps"])
-    if cfg["SCAN"]:
-        return [Launch(state_scan_kernel, (B * H, n_jb * cdiv(P, cfg["BP"])), (
-            *head, a["da_cs"], out["states"], out["inc"], *dims, m["U"], m["TP"], m["RP"], half,
-            m["RD"], cfg["BJ"], cfg["BP"], m["PREC"], BA, keep_fp32, m["SCAN_SYNC"],
-            m["OPAQUE"]), dict(warps, num_stages=1))]
-    return [Launch(chunk_increment_kernel, (B * H, max(m["nc"] - 1, 0), n_jb * cdiv(P, cfg["BP"])),
-                   (*head, out["inc"], *dims, m["TP"], m["RP"], half, m["RD"], cfg["BJ"],
-                    cfg["BP"], m["PREC"], BA), warps),
-            Launch(state_passing_kernel, (B * H, cdiv(N * P, cfg["BLOCK"])),
-                   (out["inc"], a["da_cs"], out["states"], m["S_pad"], m["nc"], m["C"], m["U"],
-                    N * P, cfg["BLOCK"], cfg["DEPTH"], keep_fp32), dict(num_warps=4))]
+    n_jb = cdiv(half, cfg.BJ)
+    BA = input_align(m.ALIGN, k, v)
+    keep_fp32 = inc is not states and not m.OUT_STATES
+    ks, vs = k.stride(), v.stride()
+    common = dict(
+        k=k, v=v, k_bias=k_bias, mimo_v=mimo_v, terms=terms, cos=cos, sin=sin, S_pad=m.S_pad,
+        plane=B * H * m.S_pad, nc=m.nc, H=H, HG=H // m.G, n_jb=n_jb, skb=ks[0] // BA, sks=ks[1],
+        skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], R=m.R,
+        N=N, P=P, C=m.C, TP=m.TP, RP=m.RP, HALF=half, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, PREC=m.PREC,
+        BA=BA)
+    p_blocks = n_jb * cdiv(P, cfg.BP)
+    if cfg.scan:
+        return [Launch(state_scan_kernel, (B * H, p_blocks), dict(
+            common, da_cs=da_cs, states=states, keep=inc, U=m.U, KEEP_FP32=keep_fp32,
+            SYNC=m.SCAN_SYNC, OPAQUE=m.OPAQUE), dict(num_warps=cfg.num_warps, num_stages=1))]
+    return [Launch(chunk_increment_kernel, (B * H * max(m.nc - 1, 0), p_blocks),
+                   dict(common, inc=inc, n_bh=B * H), dict(num_warps=cfg.num_warps)),
+            Launch(state_passing_kernel, (B * H, cdiv(N * P, cfg.BLOCK)), dict(
+                inc=inc, da_cs=da_cs, states=states, S_pad=m.S_pad, nc=m.nc, C=m.C, U=m.U,
+                NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH, KEEP_FP32=keep_fp32),
+                dict(num_warps=4))]

@@ -1,4 +1,5 @@
-"""Shared @triton.jit pieces of the bwd_fwd math, used by the stage-0 and production kernels.
+"""Shared @triton.jit pieces of the Mamba-3 MIMO math, used by the production kernels (and some by
+the stage-0 baseline).
 
 Rows of a chunk tile are (time, rank) pairs flattened as row = t * RP + r, with TP >= C and
 RP >= R padded to powers of two; padded rows are masked to zero on load.
@@ -20,7 +21,7 @@ def dot_sync(a, b, PREC: tl.constexpr, ON: tl.constexpr, OPAQUE: tl.constexpr):
     with its warps over the batch, so the rows of a go in batches of 16, one per warp at M = 64
     and 4 warps. A wgmma whose operands were written from registers waits behind a proxy fence
     for every memory access in flight, so in a loop that loads later chunks' inputs ahead, each
-    wgmma waited for those loads (docs/optimisation.md, step 50). b goes through `opaque`
+    wgmma waited for those loads. b goes through `opaque`
     (OPAQUE) so that its computation stays in its own layout rather than being redone by every
     warp."""
     if not ON:
@@ -117,37 +118,10 @@ def load_rotated(x_ptr, row_off, row_mask, bias_ptr, bias_off, cos, sin, j0, BJ:
 
 
 @triton.jit
-def head_params(mimo_o, mimo_z, d, h, r, row_ok, p, p_mask, R, P, HAS_Z: tl.constexpr,
-                HAS_D: tl.constexpr):
-    """Phi and Zeta of head h as [rows, BP] tiles (rank of each row; Zeta = 0 without Z) and D[h]
-    (0 without D)."""
-    off = h * R * P + r[:, None] * P + p[None, :]
-    m = row_ok[:, None] & p_mask[None, :]
-    phi = tl.load(mimo_o + off, mask=m, other=0.0)
-    zeta = tl.zeros_like(phi)
-    if HAS_Z:
-        zeta = tl.load(mimo_z + off, mask=m, other=0.0)
-    d_h = 0.0
-    if HAS_D:
-        d_h = tl.load(d + h)
-    return phi, zeta, d_h
-
-
-@triton.jit
-def _causal_mix(expo, before, same, gamma_row, trap_scale_col):
+def causal_mix(expo, before, same, gamma_row, trap_scale_col):
     """exp(expo) trap_scale[t'] where `before`, gamma[t] where `same`, 0 elsewhere."""
     w = tl.where(before, tl.exp(expo) * trap_scale_col[None, :], 0.0)
     return tl.where(same, gamma_row[:, None] + tl.zeros_like(w), w)
-
-
-@triton.jit
-def intra_weights(seg_ptr, t_row, t_col, mask_row, mask_col, C, gamma_row, trap_scale_col):
-    """Causal weight of row (t, r) on column (t', r'): exp(segsum[t, t']) trap_scale[t'] for t' < t,
-    gamma[t] on the same step, 0 after. seg_ptr points at the chunk's [C, C] segsum block."""
-    before = (t_col[None, :] < t_row[:, None]) & mask_row[:, None] & mask_col[None, :]
-    seg = tl.load(seg_ptr + t_row[:, None] * C + t_col[None, :], mask=before, other=0.0)
-    same = (t_col[None, :] == t_row[:, None]) & mask_row[:, None] & mask_col[None, :]
-    return _causal_mix(seg, before, same, gamma_row, trap_scale_col)
 
 
 @triton.jit
@@ -172,7 +146,7 @@ def tile_weights(seg_ptr, log_q, log_k, ts, steps_ok, C, gamma, trap_scale, RP: 
         seg = tl.load(seg_ptr + ts[:, None] * C + (ts % C)[None, :], mask=before & same_chunk,
                       other=0.0)
         expo = tl.where(same_chunk, seg, log_q[:, None] + log_k[None, :])
-    w = _causal_mix(expo, before, (ts[None, :] == ts[:, None]) & ok, gamma, trap_scale)
+    w = causal_mix(expo, before, (ts[None, :] == ts[:, None]) & ok, gamma, trap_scale)
     TP: tl.constexpr = w.shape[0]
     w = tl.broadcast_to(w[:, None, :, None], (TP, RP, TP, RP))
     return tl.reshape(w, (TP * RP, TP * RP))
@@ -184,7 +158,7 @@ def sigmoid(x, FAST: tl.constexpr):
     the precise division's slow-path branch was the largest stall of chunk_output's epilogue);
     or (FAST 2, inline assembly, GPU only) the same from the two special-function instructions
     alone, ex2 and rcp with denormals flushed: 4 instructions where FAST 1 takes 12, most of
-    them the range fix-ups around the same ex2 and rcp (docs/optimisation.md, step 55). A few
+    them the range fix-ups around the same ex2 and rcp. A few
     ulp either way; exp(-x) overflowing to inf still gives 0."""
     if FAST == 2:
         y = tl.inline_asm_elementwise(
@@ -217,19 +191,6 @@ def gate_grads(raw, dout, z, zeta, HAS_Z: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def load_psi_v(v_ptr, t_off, row_mask, mimo_v_ptr, r, R, p, p_mask, P, stride_vp):
-    """psi_v[(t, r), p] = v[t, p] * mimo_v[r, p] as an fp32 [rows, BP] tile.
-
-    v_ptr points at the (b, h) slice of v; t_off are the time offsets of the rows;
-    mimo_v_ptr at the head's [R, P] block (contiguous).
-    """
-    m = row_mask[:, None] & p_mask[None, :]
-    x = tl.load(v_ptr + t_off[:, None] + p[None, :] * stride_vp, mask=m, other=0.0)
-    psi = tl.load(mimo_v_ptr + r[:, None] * P + p[None, :], mask=m, other=0.0)
-    return x.to(tl.float32) * psi
-
-
-@triton.jit
 def load_v_steps(v_ptr, t_off, t_mask, p, p_mask, stride_vp):
     """v of the steps at t_off ([TP, BP], input dtype; t_mask says which steps exist)."""
     m = t_mask[:, None] & p_mask[None, :]
@@ -252,23 +213,11 @@ def psi_v_rows(x, mv):
 
 
 @triton.jit
-def load_psi_v_steps(v_ptr, t_off, t_mask, mimo_v_ptr, R, p, p_mask, P, stride_vp,
-                     RP: tl.constexpr):
-    """psi_v as load_psi_v, [TP * RP, BP] with row = t * RP + r, from one load of v per step
-    ([TP, BP]; t_off, t_mask: the steps' offsets in v and which exist) and one of mimo_v per
-    rank ([RP, BP]) instead of one of each per row: a quarter of the loads at R = 4, and no
-    [rows, BP] tile of either to convert into the dots' layouts (the production kernels;
-    stage 0 keeps load_psi_v, docs/optimisation.md step 22)."""
-    return psi_v_rows(load_v_steps(v_ptr, t_off, t_mask, p, p_mask, stride_vp),
-                      load_mimo_v(mimo_v_ptr, R, p, p_mask, P, RP))
-
-
-@triton.jit
-def select(ROWS: tl.constexpr, M: tl.constexpr, RP: tl.constexpr, BY_RANK: tl.constexpr):
+def selection_matrix(ROWS: tl.constexpr, M: tl.constexpr, RP: tl.constexpr, BY_RANK: tl.constexpr):
     """0/1 matrix [M, ROWS] picking, for output row i, the chunk rows of rank i (BY_RANK) or of
     step i. Stage 0's reductions over time or rank are dots with it; the production kernels sum
     exactly along an axis of a [steps, ranks, ...] view (a fifth less of chunk_output's issue
-    slots, optimisation.md step 7)."""
+    slots)."""
     row = tl.arange(0, ROWS)[None, :]
     key = row % RP if BY_RANK else row // RP
     return (tl.arange(0, M)[:, None] == key).to(tl.float32)
@@ -289,45 +238,11 @@ def store_qk_dot(qk_ptr, scores, t, r, row_ok, R, RP: tl.constexpr, ROWS: tl.con
         qk = tl.sum(tl.reshape(tl.where(same, scores, 0.0), (ROWS, ROWS // RP, RP)), axis=1)
     else:
         RS: tl.constexpr = 16 if RP < 16 else RP
-        qk = tl.dot(tl.where(same, scores, 0.0), tl.trans(select(ROWS, RS, RP, True)),
+        qk = tl.dot(tl.where(same, scores, 0.0), tl.trans(selection_matrix(ROWS, RS, RP, True)),
                     input_precision=EXACT)  # [ROWS, RS]
     r2 = tl.arange(0, RS)[None, :]
     off = (t[:, None] * R + r[:, None]) * R + r2
     tl.store(qk_ptr + off, qk.to(qk_ptr.dtype.element_ty), mask=row_ok[:, None] & (r2 < R))
-
-
-@triton.jit
-def gate_epilogue(raw, dout_ptr, z_ptr, t_off, row_mask, phi, zeta, p, p_mask, stride_p,
-                  dz_ptr, t_time_off, t_time_mask, TP: tl.constexpr, RP: tl.constexpr,
-                  HAS_Z: tl.constexpr, EXACT: tl.constexpr):
-    """Stage 0's reduce-O gradients of one chunk tile: stores dz and returns the per-rank sums.
-
-    raw/phi/zeta: [TP * RP, BP] fp32. dout_ptr, z_ptr, dz_ptr point at the (b, h) slices of
-    [B, S, H, P] tensors (t_off: the rows' step offsets in dout/z; t_time_off [TS]: the chunk's
-    step offsets in the contiguous dz). Returns (sum_t dout*gate*raw,
-    sum_t dout*Phi*raw*silu'(u)*z), each [RS, BP] with rank on the rows, reduced by 0/1
-    selection dots (TS = max(TP, 16), RS = max(RP, 16)).
-    """
-    ROWS: tl.constexpr = TP * RP
-    m = row_mask[:, None] & p_mask[None, :]
-    off = t_off[:, None] + p[None, :] * stride_p
-    dout = tl.load(dout_ptr + off, mask=m, other=0.0).to(tl.float32)
-    z = tl.zeros_like(raw)
-    if HAS_Z:
-        z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
-    g_o, h = gate_grads(raw, dout, z, zeta, HAS_Z, 0)
-    g = h * phi
-    if HAS_Z:
-        TS: tl.constexpr = 16 if TP < 16 else TP
-        dz = tl.dot(select(ROWS, TS, RP, False), g * zeta, input_precision=EXACT)
-        dm = t_time_mask[:, None] & p_mask[None, :]
-        tl.store(dz_ptr + t_time_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty),
-                 mask=dm)
-    RS: tl.constexpr = 16 if RP < 16 else RP
-    by_rank = select(ROWS, RS, RP, True)
-    part_o = tl.dot(by_rank, g_o, input_precision=EXACT)
-    part_z = tl.dot(by_rank, g * z, input_precision=EXACT)
-    return part_o, part_z
 
 
 @triton.jit
@@ -371,7 +286,7 @@ def opaque(x, ON: tl.constexpr):
     the interpreter, which has no inline assembly). Two effects on Triton 3.6's layout passes:
     a dot operand behind it is "not from a load", so wgmma takes it from registers rather than
     shared memory, and the conversion into the dot's register layout stays behind it instead of
-    being repeated on every load it was computed from (docs/optimisation.md, step 19)."""
+    being repeated on every load it was computed from."""
     if ON:
         x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                       is_pure=False, pack=1)

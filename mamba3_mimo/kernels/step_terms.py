@@ -2,8 +2,8 @@
 every program, once per (b, h, step): gamma, trap_scale, the decay weights and the rotary cos/sin.
 
 Inside a chunk tile these per-step values live in layouts that repeat them over a tile's other
-dimension, and Triton recomputes them there: on the H200 the in-kernel cos/sin took a third of
-both kernels' issue slots (docs/optimisation.md, step 7). Here each value is computed once.
+dimension, and Triton recomputes them there: in-kernel cos/sin took a third of both kernels'
+issue slots on the H200. Here each value is computed once.
 """
 from typing import Tuple
 
@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..runtime.launcher import Launch
 from . import aligned_numel, cdiv
 from .common import rotary_cos_sin, trap_terms
-from .launcher import Launch
 
 # planes of the `terms` scratch [6, B*H, S_pad]
 GAMMA = tl.constexpr(0)
@@ -38,14 +38,17 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     the exponent A[t] - A[t'] = LOG_Q[t] + LOG_K[t'] with
     LOG_K[t'] = da_cs_rev[t'] - D(chunks of the tile up to t''s chunk), D(...) the sum of those
     chunks' da_cs at their last step. With U = 1, LOG_Q = da_cs and LOG_K is not needed."""
-    bh = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1) * BS + tl.arange(0, BS)
+    # (b*h, block of steps) flattened on grid axis 0, b*h fastest: axis 1 would cap the
+    # length at 65,535 blocks
+    pid = tl.program_id(0).to(tl.int64)
+    bh = pid % n_bh
+    s = (pid // n_bh) * BS + tl.arange(0, BS)
     m = s < S_pad
     row = bh * S_pad
     gamma, trap_scale = trap_terms(dt + row, trap + row, s, m, S_pad)
     rev = tl.load(da_cs_rev + row + s, mask=m, other=0.0)
     log_q = tl.load(da_cs + row + s, mask=m, other=0.0)
-    plane = n_bh * S_pad
+    plane = n_bh.to(tl.int64) * S_pad  # six planes of B*H*S_pad steps can pass 2**31
     if U > 1:
         c = s // C
         sub = c % U
@@ -72,12 +75,12 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     tl.store(sin + off, sn, mask=jm)
 
 
-def table_views(meta: dict) -> Tuple[int, list]:
+def table_views(consts) -> Tuple[int, list]:
     """Where the kernel's outputs lie in one fp32 buffer: its length in elements, and
     (name, size, stride, offset) of "terms" [N_PLANES, B*H, S_pad] and "cos", "sin"
     [B*H, S_pad, RD], each at a 16-byte aligned offset."""
-    m = meta
-    n_bh, S_pad, RD = m["B"] * m["H"], m["S_pad"], m["RD"]
+    m = consts
+    n_bh, S_pad, RD = m.B * m.H, m.S_pad, m.RD
     n_terms, n_table = aligned_numel(N_PLANES * n_bh * S_pad), aligned_numel(n_bh * S_pad * RD)
     table = (n_bh, S_pad, RD), (S_pad * RD, RD, 1)
     return n_terms + 2 * n_table, [
@@ -85,20 +88,16 @@ def table_views(meta: dict) -> Tuple[int, list]:
         ("cos", *table, n_terms), ("sin", *table, n_terms + n_table)]
 
 
-def tables(meta: dict, device: torch.device) -> dict:
-    """The kernel's outputs (table_views), allocated as views of one fp32 buffer."""
-    numel, views = table_views(meta)
-    buf = torch.empty(numel, device=device, dtype=torch.float32)
-    return {name: buf.as_strided(size, stride, offset) for name, size, stride, offset in views}
-
-
-def launches(a: dict, out: dict, meta: dict) -> list:
-    """Fill out["terms"], out["cos"] and out["sin"] (from `tables`) for chunk_output tiles of
-    meta["U"] chunks; meta["STEP_BS"] steps per program."""
-    m = meta
-    n_bh, S_pad = m["B"] * m["H"], m["S_pad"]
-    BS = m["STEP_BS"]
-    return [Launch(step_terms_kernel, (n_bh, cdiv(S_pad, BS)), (
-        a["angles"], a["da_cs"], a["da_cs_rev"], a["dt"], a["trap"], out["terms"], out["cos"],
-        out["sin"], S_pad, n_bh, m["H"], m["nc"], m["C"], *a["angles"].stride(), m["RD"], BS,
-        m["RDP"], m["U"]), {})]
+def launch(*, angles: torch.Tensor, da_cs: torch.Tensor, da_cs_rev: torch.Tensor,
+           dt: torch.Tensor, trap: torch.Tensor, terms: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor, consts) -> Launch:
+    """The launch that fills terms [N_PLANES, B*H, S_pad], cos and sin [B*H, S_pad, RD] (from
+    `tables`) from angles [B, S_pad, H, RD], da_cs, da_cs_rev, dt, trap [B, H, S_pad], for
+    chunk_output tiles of consts.U chunks; consts.STEP_BS steps per program."""
+    m = consts
+    n_bh = m.B * m.H
+    return Launch(step_terms_kernel, (n_bh * cdiv(m.S_pad, m.STEP_BS),), dict(
+        angles=angles, da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, terms=terms, cos=cos,
+        sin=sin, S_pad=m.S_pad, n_bh=n_bh, H=m.H, nc=m.nc, C=m.C, sab=angles.stride(0),
+        sas=angles.stride(1), sah=angles.stride(2), san=angles.stride(3), RD=m.RD, BS=m.STEP_BS,
+        RDP=m.RDP, U=m.U), {})

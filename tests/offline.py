@@ -1,0 +1,192 @@
+"""Offline compilation of one bwd_fwd call: the production kernels compiled for an NVIDIA target by
+the ptxas that comes with Triton, on a machine without a GPU, with each kernel's registers, local
+memory (stack) per thread and shared memory (cuobjdump's resource usage). Used by
+test_portability.py; also a tool for studying register pressure without device time:
+
+    PYTHONPATH=.:tests python -m offline [--arch 89] [--no-z] [--out-f32] [--ptx-dir DIR]
+        [--override JSON] [--json] B S H G N P R C
+
+--arch: the compute capability compiled for (90 unless given, e.g. 89 or 120); the configs are
+those the rules pick on a GPU of that capability (configs.measured_arch). --no-z: the Z gate
+off; --out-f32: float32 outputs instead of bfloat16; --ptx-dir: also write each kernel's PTX and
+TTGIR there; --override: fields of configs.override as JSON, candidate lists as lists of dicts,
+e.g. '{"output": [{"BJ": 32, "BP": 64, "maxnreg": 128}], "tile_chunks": 1}'; --json: a last
+line "RESOURCES {json}" with {kernel: {registers, stack, shared, num_warps}}.
+
+It must run in a process of its own without TRITON_INTERPRET: Triton picks the interpreter when
+the kernels are decorated, and interpreted kernels compile nothing. Nothing is launched: the call
+plan is built on CPU tensors (bwd_fwd.new_call_plan, the configs' shared-memory probe takes the
+first candidate off a GPU) and each of its launches compiled for the target.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mamba3_mimo import configs
+from mamba3_mimo.bench import problem_of
+from mamba3_mimo.inputs import Shape, make_inputs
+from mamba3_mimo.phases import bwd_fwd
+from mamba3_mimo.runtime.device import interpreter_active
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+CUOBJDUMP = os.path.join(BIN, "cuobjdump")
+_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DIMS = ("B", "S", "H", "G", "N", "P", "R", "C")
+
+
+def tools_present() -> bool:
+    """Whether Triton's NVIDIA backend brought ptxas and cuobjdump."""
+    return all(os.path.exists(os.path.join(BIN, t)) for t in ("ptxas", "cuobjdump"))
+
+
+def overrides_of(spec: dict) -> dict:
+    """configs.override's keyword arguments from their JSON form: "state" and "output" as lists
+    of dicts of StateConfig / OutputConfig fields, the other fields as they are."""
+    out = dict(spec)
+    for key, cls in (("state", configs.StateConfig), ("output", configs.OutputConfig)):
+        if out.get(key) is not None:
+            out[key] = [cls(**c) for c in out[key]]
+    return out
+
+
+def call_launches(shape: Shape, arch: int, z_gate: bool = True,
+                  output_dtype: torch.dtype = torch.bfloat16,
+                  overrides: Optional[dict] = None) -> List[tuple]:
+    """(fn, grid, args, options) of every launch of a production call on this shape (bf16
+    inputs, D on), in the configs chosen on a GPU of compute capability `arch`, with the host
+    rewrites of the public entry (tail padding, sub-chunks) and without launching anything."""
+    if interpreter_active():
+        raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing (run this "
+                           "in a process without it)")
+    a = make_inputs(shape, torch.bfloat16, z_gate, seed=0)
+    a.pop("adt")
+    a["output_dtype"] = output_dtype
+    measured = arch // 10 in configs.MEASURED_MAJORS
+    with configs.override(**dict(overrides or {}, measured_arch=measured)):
+        pb = problem_of(a)
+        args = {name: a[name] for name in bwd_fwd.ARG_NAMES}
+        if pb.C > pb.S:
+            pb = dataclasses.replace(pb, C=bwd_fwd.one_chunk_size(pb.C, pb.S, pb.R))
+        padded = bwd_fwd.pad_tail(args, pb.C)
+        sub = configs.kernel_chunk_size(pb.C, pb.R)
+        if sub != pb.C:
+            padded = bwd_fwd.split_chunks(padded, pb.C, sub, pb.S)
+            pb = dataclasses.replace(pb, C=sub)
+        prepared = bwd_fwd.prepare(padded, pb)
+        plan, out = bwd_fwd.new_call_plan(pb, prepared)
+    env = dict(prepared, **out)
+    launches = []
+    for bound, template, slots in zip(plan.group.bounds, plan.templates, plan.slots):
+        args = list(template)
+        for i, name in slots:
+            args[i] = env[name]
+        launches.append((bound.fn, bound.grid, tuple(args), dict(bound.options)))
+    return launches
+
+
+def compile_for(fn, args: tuple, options: dict, arch: int):
+    """fn compiled for compute capability `arch` with these arguments, specialised as the JIT
+    specialises them: an integer equal to 1 becomes a constant (e.g. a unit stride, which
+    decides whether loads vectorise), one divisible by 16 is marked so, as are tensors (taken
+    as 16-byte aligned); do_not_specialize integers are neither."""
+    sig, const, attrs = {}, {}, {}
+    dns = {p.name for p in fn.params if p.do_not_specialize}
+    for i, (name, val) in enumerate(zip(fn.arg_names, args)):
+        if i in fn.constexprs:
+            sig[name] = "constexpr"
+            const[name] = val
+        elif isinstance(val, torch.Tensor):
+            sig[name] = "*" + _TY[val.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(val, bool):
+            sig[name] = "i1"
+        elif isinstance(val, int):
+            if val == 1 and name not in dns:
+                sig[name] = "constexpr"
+                const[name] = 1
+                continue
+            sig[name] = "i64" if abs(val) >= 2 ** 31 else "i32"
+            if val % 16 == 0 and name not in dns:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(val, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(val).__name__}")
+    opts = {k: v for k, v in options.items() if k in ("num_warps", "num_stages", "maxnreg")}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=opts)
+
+
+def resource_usage(kernel) -> Tuple[int, int]:
+    """(registers, stack bytes per thread) of a compiled kernel, from cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output:\n{text}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def compiled_resources(shape: Shape, arch: int = 90, z_gate: bool = True,
+                       output_dtype: torch.dtype = torch.bfloat16,
+                       overrides: Optional[dict] = None, ptx_dir: Optional[str] = None,
+                       echo: bool = False) -> Dict[str, dict]:
+    """{kernel name: dict(registers, stack, shared, num_warps)} of one call's kernels compiled
+    for compute capability `arch` (call_launches); echo prints a line per kernel as it comes."""
+    res = {}
+    for fn, _, args, options in call_launches(shape, arch, z_gate, output_dtype, overrides):
+        kernel = compile_for(fn, args, options, arch)
+        regs, stack = resource_usage(kernel)
+        name = fn.__name__
+        if "CAREFUL" in fn.arg_names and args[fn.arg_names.index("CAREFUL")]:
+            name += ".rerun"  # chunk_output's rerun of tiles that met a non-finite value
+        res[name] = dict(registers=regs, stack=stack, shared=kernel.metadata.shared,
+                         num_warps=options.get("num_warps"))
+        if ptx_dir:  # for reading load widths, layouts and conversions
+            for ext in ("ptx", "ttgir"):
+                with open(os.path.join(ptx_dir, f"{name}.{ext}"), "w") as f:
+                    f.write(kernel.asm[ext])
+        if echo:
+            print(f"{name:28s} warps={options.get('num_warps')} REG:{regs} STACK:{stack} "
+                  f"shared={kernel.metadata.shared}", flush=True)
+    return res
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m offline", description=__doc__.split("\n\n")[0])
+    for dim in DIMS:
+        p.add_argument(dim, type=int)
+    p.add_argument("--arch", type=int, default=90, help="compute capability (default 90)")
+    p.add_argument("--no-z", action="store_true", help="the Z gate off")
+    p.add_argument("--out-f32", action="store_true", help="float32 outputs (default bf16)")
+    p.add_argument("--ptx-dir", help="also write each kernel's PTX and TTGIR there")
+    p.add_argument("--override", type=json.loads, default=None,
+                   help="configs.override fields as JSON")
+    p.add_argument("--json", action="store_true", help="a last line RESOURCES {json}")
+    opts = p.parse_args(argv)
+    res = compiled_resources(Shape(*[getattr(opts, d) for d in DIMS]), opts.arch, not opts.no_z,
+                             torch.float32 if opts.out_f32 else torch.bfloat16,
+                             overrides_of(opts.override or {}), opts.ptx_dir, echo=True)
+    if opts.json:
+        print("RESOURCES " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
