@@ -399,6 +399,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench/results"),
                    help="folder for results.json, results.md, results.png (default bench/results)")
     p.add_argument("--quick", action="store_true", help="bf16 output only, Z on and off, 1 round")
+    p.add_argument("--bf16-only", action="store_true",
+                   help="bf16 output only (the comparison with upstream), Z on and off")
     p.add_argument("--no-stage0", action="store_true", help="skip the stage0 baseline")
     p.add_argument("--previous", type=Path,
                    help="a checkout of an earlier commit (its mamba3_mimo package is timed "
@@ -418,7 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit("error: mamba3_mimo.bench needs a CUDA GPU with compiled Triton kernels "
                          "(BENCHMARK.md: time on the H200, never on the CPU interpreter)")
     rounds = 1 if opts.quick else opts.rounds
-    outs = (torch.bfloat16,) if opts.quick else (torch.bfloat16, torch.float32)
+    outs = (torch.bfloat16,) if opts.quick or opts.bf16_only else (torch.bfloat16, torch.float32)
     cfgs = bench_configs(opts.shapes, outs)
     if not cfgs:
         raise SystemExit(f"error: no shape matches --shapes {opts.shapes!r}")

@@ -7,15 +7,14 @@ import pytest
 import torch
 
 import mamba3_mimo
-from conftest import (DEVICE, ON_GPU, assert_outputs_equal, check_outputs, op_args, problem,
-                      record_launches, requires_gpu, seed_for)
+from conftest import (DEVICE, ON_GPU, assert_close_to_golden, assert_outputs_equal,
+                      check_outputs, op_args, problem, record_launches, requires_gpu, seed_for)
 from mamba3_mimo.inputs import Shape, make_inputs
 from mamba3_mimo.phases import bwd_fwd
 from mamba3_mimo.reference import bwd_fwd_reference
 from mamba3_mimo.runtime import device as runtime_device
 
 FP32, BF16 = torch.float32, torch.bfloat16
-SEQ_AXIS = {"qk_dot": 2, "dz": 1}
 
 
 # ---------------------------------------------------------------------------- 64-bit offsets
@@ -195,9 +194,12 @@ def _nonfinite_steps(x: torch.Tensor, axis: int) -> set:
 @pytest.mark.parametrize("where", ["v", "k", "dt"])
 def test_nan_reaches_only_its_step_and_later(where):
     """A NaN at step 20 (inside an output tile of two 16-step chunks) leaves every output of
-    steps 0-19 as the clean call's, bit for bit, and the states entering the chunks before it;
-    it reaches the later steps: a NaN in v its own value column of its head, a NaN in k every
-    head of its group, a NaN in dt every column of its head."""
+    steps 0-19 as the clean call's and the states entering the chunks before it; it reaches
+    the later steps: a NaN in v its own value column of its head, a NaN in k every head of its
+    group, a NaN in dt every column of its head. qk_dot and the states are the clean call's bit
+    for bit; dz of the earlier steps comes from chunk_output's rerun of the tile, another
+    compiled kernel: bit for bit under the interpreter, on a GPU within fp32 rounding of the
+    two kernels' summation orders (1e-5 of the largest value)."""
     shape = Shape(1, 40, 4, 2, 16, 16, 2, 16)
     args, _, _ = problem(shape, FP32)
     clean = mamba3_mimo.mamba3_mimo_bwd_fwd(**args)
@@ -210,7 +212,11 @@ def test_nan_reaches_only_its_step_and_later(where):
     else:
         bad["dt"][0, 1, 20] = float("nan")
     states, qk_dot, _, _, dz = mamba3_mimo.mamba3_mimo_bwd_fwd(**bad)
-    assert torch.equal(dz[:, :20], clean[4][:, :20])
+    if ON_GPU:
+        diff = (dz[:, :20] - clean[4][:, :20]).abs().max().item()
+        assert diff <= 1e-5 * clean[4][:, :20].abs().max().item(), diff
+    else:
+        assert torch.equal(dz[:, :20], clean[4][:, :20])
     assert torch.equal(qk_dot[:, :, :20], clean[1][:, :, :20])
     assert torch.equal(states[:, :, :2], clean[0][:, :, :2])  # entering chunks 0 and 1
     late = torch.zeros_like(dz, dtype=torch.bool)
@@ -299,25 +305,22 @@ def _window(args: dict, lo: int, hi: int) -> dict:
                          ids=["scan_offsets_past_2_31", "split_many_tiles"])
 def test_long_sequence_on_the_gpu(N, P, R, S):
     """One-step chunks over 70,000 steps (the fused scan's chunk offsets pass 2**31 elements)
-    and 530,000 steps (66,250 output tiles, 529,999 chunk increments): the first 2,048 steps
-    equal a call on them alone, and, with the state restarted 2,048 steps before the end, the
-    last 2,048 equal a call on those; both windows match their float64 goldens."""
+    and 530,000 steps (66,250 output tiles, 529,999 chunk increments), with the state restarted
+    2,048 steps before the end: the call's outputs on the first 2,048 steps and on the last
+    2,048 match the float64 goldens of those windows alone."""
     shape = Shape(1, S, 1, 1, N, P, R, 1)
     inputs = make_inputs(shape, BF16, True, True, device="cuda", seed=seed_for(shape, "long"))
     s0 = S - 2048
-    full = _with_reset(inputs, s0)
-    outs = mamba3_mimo.mamba3_mimo_bwd_fwd(**full, output_dtype=FP32)
+    states, qk_dot, _, _, dz = mamba3_mimo.mamba3_mimo_bwd_fwd(**_with_reset(inputs, s0),
+                                                               output_dtype=FP32)
     for lo, hi in ((0, 2048), (s0, S)):
         window = _window(inputs, lo, hi)
-        alone = mamba3_mimo.mamba3_mimo_bwd_fwd(**window, output_dtype=FP32)
         golden = bwd_fwd_reference(**window, dtype=torch.float64)
         bench = bwd_fwd_reference(**window, dtype=torch.float32)
-        check_outputs(alone, golden, bench, BF16, FP32)
-        for name, x, y in zip(("states", "qk_dot", "dz"), (outs[0], outs[1], outs[4]),
-                              (alone[0], alone[1], alone[4])):
-            axis = SEQ_AXIS.get(name, 2)
-            part = x.narrow(axis, lo, hi - lo)
-            if name == "states" and lo > 0:  # entering chunk s0 holds the steps before it
-                part, y = part[:, :, 1:], y[:, :, 1:]
-            err = (part.double() - y.double()).abs().max().item()
-            assert err <= 1e-5 * y.double().abs().max().item(), (name, lo, err)
+        first = 1 if lo else 0  # the state entering step s0 holds the steps before it
+        for name, x, i in (("states", states[:, :, lo + first:hi], 0),
+                           ("qk_dot", qk_dot[:, :, lo:hi], 1), ("dz", dz[:, lo:hi], 4)):
+            g, b = golden[i], bench[i]
+            if name == "states":
+                g, b = g[:, :, first:], b[:, :, first:]
+            assert_close_to_golden(name, x, g, b, BF16, FP32)
