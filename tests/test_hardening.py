@@ -230,6 +230,23 @@ def test_nan_reaches_only_its_step_and_later(where):
     assert _nonfinite_steps(qk_dot, 2) == ({20} if where == "k" else set())
 
 
+def test_nan_in_a_late_tile():
+    """A NaN in v at step 250 of 300 (one-chunk tiles of 8 steps at R = 8: tile 31 of 38, in the
+    fourth group of tiles that a program of the rerun checks): only its column from its step
+    on, as above."""
+    shape = Shape(1, 300, 2, 1, 16, 16, 8, 8)
+    args, _, _ = problem(shape, FP32)
+    clean = mamba3_mimo.mamba3_mimo_bwd_fwd(**args)
+    bad = dict(args, v=args["v"].clone())
+    bad["v"][0, 250, 0, 7] = float("nan")
+    dz = mamba3_mimo.mamba3_mimo_bwd_fwd(**bad)[4]
+    late = torch.zeros_like(dz, dtype=torch.bool)
+    late[:, 250:, 0, 7] = True
+    assert torch.equal(~torch.isfinite(dz), late)
+    diff = (dz[:, :250] - clean[4][:, :250]).abs().max().item()
+    assert diff <= (1e-5 * clean[4][:, :250].abs().max().item() if ON_GPU else 0.0), diff
+
+
 # ---------------------------------------------------------------------------- argument kinds
 
 

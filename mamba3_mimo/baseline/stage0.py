@@ -99,9 +99,9 @@ def _rotary_kernel(x, bias, angles, out, S_pad, n_bh, H, HG, sxb, sxs, sxr, sxg,
                    sah, san, R, N: tl.constexpr, C, TP: tl.constexpr, RP: tl.constexpr,
                    HALF: tl.constexpr, RD: tl.constexpr, BJ: tl.constexpr):
     """out[b, h, t, r, :] = rot(x[b, t, r, g, :] + bias[h, r, :]) in fp32 for one chunk."""
-    pid = tl.program_id(0).to(tl.int64)  # (b*h, chunk), b*h fastest
-    bh = pid % n_bh
-    c = pid // n_bh
+    pid = tl.program_id(0)  # (b*h, chunk), b*h fastest
+    bh = (pid % n_bh).to(tl.int64)
+    c = (pid // n_bh).to(tl.int64)
     b, h = bh // H, bh % H
     t, r = chunk_rows(TP, RP)
     rows = (t < C) & (r < R)
@@ -128,9 +128,9 @@ def _load_rotated_scratch(ptr, bh, tg, r, rows, S_pad, R, N: tl.constexpr, NP: t
 def _qk_dot_kernel(qr, kr, qk_dot, S, S_pad, n_bh, R, N: tl.constexpr, C, TP: tl.constexpr,
                    RP: tl.constexpr, NP: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr):
     """qk_dot of one chunk from the rotated scratch."""
-    pid = tl.program_id(0).to(tl.int64)  # (b*h, chunk), b*h fastest
-    bh = pid % n_bh
-    c = pid // n_bh
+    pid = tl.program_id(0)  # (b*h, chunk), b*h fastest
+    bh = (pid % n_bh).to(tl.int64)
+    c = (pid // n_bh).to(tl.int64)
     t, r = chunk_rows(TP, RP)
     rows = (t < C) & (r < R)
     q = _load_rotated_scratch(qr, bh, c * C + t, r, rows, S_pad, R, N, NP)

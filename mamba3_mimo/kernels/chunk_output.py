@@ -188,31 +188,44 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
                         BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr,
-                        CAREFUL: tl.constexpr):
-    """One tile of one (b, h) and PB P blocks (`_tile`). CAREFUL: the second launch, which
-    reruns the tile only if its dmimo_o partial sums from the first are not all finite (any NaN
-    or Inf of the tile's raw_y reaches dout * gate * raw_y). sqb, skb, svb, sgb, sgh come
-    divided by BA (kernels.input_align)."""
-    # (b*h, tile) flattened on grid axis 0, b*h fastest: axis 1 would cap the tiles at 65,535.
-    # The last tiles first: the state pass wrote their states last, so those are the ones
-    # still in L2 when this kernel starts.
-    pid = tl.program_id(0).to(tl.int64)
-    bh = pid % n_bh
-    o = n_tiles - 1 - pid // n_bh
+                        CAREFUL: tl.constexpr, CHECK_TILES: tl.constexpr):
+    """One tile of one (b, h) and PB P blocks (`_tile`). CAREFUL: the second launch, whose
+    programs check CHECK_TILES tiles each and rerun those whose dmimo_o partial sums from the
+    first are not all finite (any NaN or Inf of a tile's raw_y reaches dout * gate * raw_y).
+    sqb, skb, svb, sgb, sgh come divided by BA (kernels.input_align)."""
+    # (b*h, tile) flattened on grid axis 0, b*h fastest: axis 1 would cap the tiles at 65,535
+    pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
+    bh = (pid % n_bh).to(tl.int64)
     pid_p = tl.program_id(1)
-    rerun = not CAREFUL
     if CAREFUL:
+        # CHECK_TILES tiles per program: their dmimo_o partial sums in one load, then a rerun
+        # of each tile with a non-finite one (none, almost always)
+        first = (pid // n_bh) * CHECK_TILES
+        i = tl.arange(0, CHECK_TILES)
         r = tl.arange(0, RP)
         p = pid_p * PB * BP + tl.arange(0, PB * BP)
-        sums = tl.load(part_o + (bh * n_tiles + o) * R * P + r[:, None] * P + p[None, :],
-                       mask=(r < R)[:, None] & (p < P)[None, :], other=0.0)
-        rerun = tl.sum(tl.sum((~_finite(sums)).to(tl.int32), axis=1), axis=0) > 0
-    if rerun:
+        tiles = first + i
+        at = ((bh * n_tiles + tiles[:, None, None]) * R + r[None, :, None]) * P
+        ok = (tiles < n_tiles)[:, None, None] & (r < R)[None, :, None] & (p < P)[None, None, :]
+        sums = tl.load(part_o + at + p[None, None, :], mask=ok, other=0.0)
+        bad = tl.sum(tl.sum((~_finite(sums)).to(tl.int32), axis=2), axis=1)
+        for j in range(CHECK_TILES):
+            if tl.sum(tl.where(i == j, bad, 0), axis=0) > 0:
+                _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
+                      sin, segsum, states, qk_dot, dz, part_o, part_z, bh,
+                      tl.cast(first + j, tl.int64), pid_p, S, S_pad, plane, nc, n_tiles, H, HG,
+                      sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb,
+                      sgh, sgc, R, N, P, C, TP, RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC,
+                      EXACT, OPAQUE, BA, PREFETCH, PB, True)
+    else:
+        # the last tiles first: the state pass wrote their states last, so those are the ones
+        # still in L2 when this kernel starts
+        o = (n_tiles - 1 - pid // n_bh).to(tl.int64)
         _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin,
               segsum, states, qk_dot, dz, part_o, part_z, bh, o, pid_p, S, S_pad, plane, nc,
               n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh,
               svp, sgb, sgh, sgc, R, N, P, C, TP, RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC,
-              EXACT, OPAQUE, BA, PREFETCH, PB, CAREFUL)
+              EXACT, OPAQUE, BA, PREFETCH, PB, False)
 
 
 @triton.jit(do_not_specialize=["n_bh", "n_tiles", "s_part"])
@@ -234,6 +247,10 @@ def rank_sums_kernel(parts, sums, n_bh, n_tiles, s_part, RP_SIZE: tl.constexpr,
                     mask=(t < n_tiles)[:, None] & cm[None, :], other=0.0)
         acc += tl.sum(x, axis=0)
     tl.store(sums + i * RP_SIZE + col, acc, mask=cm)
+
+
+# tiles whose partial sums one program of the rerun launch checks: few programs, one load each
+CHECK_TILES = 8
 
 
 def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -268,15 +285,14 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
         PB=cfg.PB)
     RP_SIZE = m.R * m.P
     BLOCK = min(128, next_pow2(RP_SIZE))
-    grid = (B * H * n_tiles, cdiv(m.P, cfg.BP * cfg.PB))
-    return [Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=False),
-                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                        maxnreg=cfg.maxnreg)),
-            # the rerun of tiles that met a non-finite value: programs of clean tiles load their
-            # partial sums and exit
-            Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=True),
-                   dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                        maxnreg=cfg.maxnreg)),
+    p_blocks = cdiv(m.P, cfg.BP * cfg.PB)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
+    return [Launch(chunk_output_kernel, (B * H * n_tiles, p_blocks),
+                   dict(kwargs, CAREFUL=False, CHECK_TILES=CHECK_TILES), options),
+            # the rerun of tiles that met a non-finite value: a program checks CHECK_TILES
+            # tiles' partial sums and, for clean ones, exits
+            Launch(chunk_output_kernel, (B * H * cdiv(n_tiles, CHECK_TILES), p_blocks),
+                   dict(kwargs, CAREFUL=True, CHECK_TILES=CHECK_TILES), options),
             Launch(rank_sums_kernel, (parts.shape[0] * B * H, cdiv(RP_SIZE, BLOCK)), dict(
                 parts=parts, sums=dmimo, n_bh=B * H, n_tiles=n_tiles, s_part=parts.stride(0),
                 RP_SIZE=RP_SIZE, BLOCK=BLOCK, ROWS=32), dict(num_warps=4))]

@@ -36,13 +36,14 @@ def _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c, C, t, r, rows, tt, live, p, pm, 
                   svs, svp, j0, HALF, RD, BJ: tl.constexpr):
     """What chunk c's increment reads, as loaded (nothing where `live` is false): k's pair
     columns, cos/sin and the k decay weights (K_DECAY row at w_x) of the rows, and v of the
-    steps; kx, vx, cos_x, sin_x, w_x point at the (b, h) slices. Step offsets are 64-bit: a
-    step times a step stride can pass 2**31 on long sequences."""
-    tg = tl.cast(c * C + t, tl.int64)
-    x1, x2 = load_pair_columns(kx, tg * sks + r * skr, rows & live, j0, BJ, HALF, skn)
-    cs, sn = load_cos_sin(cos_x, sin_x, tg * RD, rows & live, j0, BJ, RD)
-    w = tl.load(w_x + tg, mask=rows & live, other=0.0)
-    xv = load_v_steps(vx, tl.cast(c * C + tt, tl.int64) * svs, (tt < C) & live, p, pm, svp)
+    steps; kx, vx, cos_x, sin_x, w_x point at the (b, h) slices. The chunk's first step times
+    a step stride can pass 2**31 on long sequences: it moves the pointers as one 64-bit scalar,
+    and the rows' offsets inside the chunk stay 32-bit."""
+    c0 = tl.cast(c, tl.int64) * C
+    x1, x2 = load_pair_columns(kx + c0 * sks, t * sks + r * skr, rows & live, j0, BJ, HALF, skn)
+    cs, sn = load_cos_sin(cos_x + c0 * RD, sin_x + c0 * RD, t * RD, rows & live, j0, BJ, RD)
+    w = tl.load(w_x + c0 + t, mask=rows & live, other=0.0)
+    xv = load_v_steps(vx + c0 * svs, tt * svs, (tt < C) & live, p, pm, svp)
     return x1, x2, cs, sn, w, xv
 
 
@@ -83,9 +84,9 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1. skb and svb come
     divided by BA (kernels.input_align)."""
     # (b*h, chunk) flattened on grid axis 0, b*h fastest: axis 1 would cap nc at 65,535
-    pid = tl.program_id(0).to(tl.int64)
-    bh = pid % n_bh
-    c = pid // n_bh
+    pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
+    bh = (pid % n_bh).to(tl.int64)
+    c = (pid // n_bh).to(tl.int64)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     row = bh * S_pad
     b1, b2 = load_pair_columns(k_bias + h * R * N, r * N, rows, j0, BJ, HALF, 1)

@@ -40,9 +40,9 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     chunks' da_cs at their last step. With U = 1, LOG_Q = da_cs and LOG_K is not needed."""
     # (b*h, block of steps) flattened on grid axis 0, b*h fastest: axis 1 would cap the
     # length at 65,535 blocks
-    pid = tl.program_id(0).to(tl.int64)
-    bh = pid % n_bh
-    s = (pid // n_bh) * BS + tl.arange(0, BS)
+    pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
+    bh = (pid % n_bh).to(tl.int64)
+    s = ((pid // n_bh) * BS + tl.arange(0, BS)).to(tl.int64)
     m = s < S_pad
     row = bh * S_pad
     gamma, trap_scale = trap_terms(dt + row, trap + row, s, m, S_pad)
