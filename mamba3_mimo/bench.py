@@ -31,6 +31,7 @@ from . import configs
 from .inputs import make_inputs
 from .phases import bwd_fwd
 from .problem import Problem, Shape, official_shapes
+from .runtime.device import interpreter_active
 from .testing import DTYPE_NAMES
 
 # upstream TileLang's bwd_fwd times on the H200, shipped with the package (BENCHMARK.md)
@@ -416,7 +417,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parse_args(argv)
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if not torch.cuda.is_available() or interpreter_active():
         raise SystemExit("error: mamba3_mimo.bench needs a CUDA GPU with compiled Triton kernels "
                          "(BENCHMARK.md: time on the H200, never on the CPU interpreter)")
     rounds = 1 if opts.quick else opts.rounds
