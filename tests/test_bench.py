@@ -132,3 +132,13 @@ def test_bench_config_runs_every_candidate(monkeypatch):
     assert by["auto"]["plan"] == plan and by["stage0"]["plan"] is None
     assert by["auto"]["kernels_ms"] == pytest.approx(0.75) and by["auto"]["kernels_error"] is None
     assert by["stage0"]["kernels_ms"] is None
+
+
+def test_upstream_anchor_ships_with_the_package():
+    """The benchmark's upstream anchor lies inside the package (package data in pyproject.toml),
+    so that a non-editable install finds it, and has a row per official shape, Z on and off."""
+    import pathlib
+    package = pathlib.Path(bench.__file__).resolve().parent
+    assert bench.DEFAULT_UPSTREAM.is_file() and package in bench.DEFAULT_UPSTREAM.parents
+    anchor = bench.load_upstream(bench.DEFAULT_UPSTREAM)
+    assert {(s.name, z) for s in official_shapes() for z in (True, False)} <= set(anchor)
