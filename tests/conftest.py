@@ -3,7 +3,7 @@
 Every Triton result is checked against the float64 golden of `mamba3_mimo.reference` by relative
 RMS error, next to a float32 "bench" run of the same reference that must itself stay within a tenth
 of the threshold (otherwise the reference, not the kernel, is suspect). The worst error per output
-is printed at the end of the session (the table docs/validation.md is built from).
+is printed at the end of the run (the table docs/validation.md is built from).
 
 On a machine without CUDA the kernels run under Triton's interpreter: TRITON_INTERPRET=1 must be
 set before triton is imported (importing torch does not import triton).

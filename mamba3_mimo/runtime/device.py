@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Iterator, Tuple
+from typing import ContextManager, Dict, Tuple
 
 import torch
 
@@ -46,16 +46,17 @@ def check_device(device: torch.device) -> None:
             f"device {device} has compute capability {major}.{minor}; expected sm_80 or newer")
 
 
-@contextlib.contextmanager
-def on_device(device: torch.device) -> Iterator[None]:
-    """Make `device` the current CUDA device for the launches inside (Triton launches on the
-    current device and stream, whatever device the tensors are on). Costs nothing where it
-    already is current, the common case; a CPU device is left alone."""
+_ALREADY_CURRENT = contextlib.nullcontext()
+
+
+def on_device(device: torch.device) -> ContextManager:
+    """A context in which `device` is the current CUDA device, for the launches inside (Triton
+    launches on the current device and stream, whatever device the tensors are on); the
+    previous device is current again after it. Where it already is current, the common case,
+    a context that does nothing (no generator on every call); a CPU device is left alone."""
     if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        yield
-        return
-    with torch.cuda.device(device):
-        yield
+        return _ALREADY_CURRENT
+    return torch.cuda.device(device)
 
 
 def clear_cache() -> None:
