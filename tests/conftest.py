@@ -72,11 +72,6 @@ DTYPE_IDS = DTYPE_NAMES
 IMPLS = ("dispatch", "stage0")
 
 
-@pytest.fixture(scope="session")
-def device() -> str:
-    return DEVICE
-
-
 def seed_for(*parts) -> int:
     """A fresh, reproducible seed per test, derived from its parameters."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF

@@ -301,20 +301,26 @@ def allocate(layout: OutputLayout, dev: torch.device) -> dict:
     return out
 
 
-def _launches(a: dict, out: dict, m: configs.Constants, s_cfg: configs.StateConfig,
-              o_cfg: configs.OutputConfig) -> list:
-    """Every launch of a production call, in order."""
-    tables = dict(terms=out["terms"], cos=out["cos"], sin=out["sin"])
-    state_in = {n: a[n] for n in ("k", "v", "k_bias", "mimo_v", "da_cs")}
-    output_in = {n: a[n] for n in ("q", "k", "v", "dout", "z", "q_bias", "k_bias", "mimo_v",
-                                   "mimo_o", "mimo_z", "d", "segsum")}
+def _tables(out: dict) -> dict:
+    return dict(terms=out["terms"], cos=out["cos"], sin=out["sin"])
+
+
+def _state_launches(a: dict, out: dict, m: configs.Constants,
+                    cfg: configs.StateConfig) -> list:
+    """The state pass's launches of a production call."""
+    return chunk_state.launches(**{n: a[n] for n in ("k", "v", "k_bias", "mimo_v", "da_cs")},
+                                **_tables(out), states=out["states"], inc=out["inc"], consts=m,
+                                cfg=cfg)
+
+
+def _output_launches(a: dict, out: dict, m: configs.Constants,
+                     cfg: configs.OutputConfig) -> list:
+    """chunk_output's launches (and rank_sums') of a production call."""
+    inputs = {n: a[n] for n in ("q", "k", "v", "dout", "z", "q_bias", "k_bias", "mimo_v",
+                                "mimo_o", "mimo_z", "d", "segsum")}
     outs = {n: out[n] for n in ("qk_dot", "dz", "parts", "part_o", "part_z", "dmimo")}
-    return ([step_terms.launch(angles=a["angles"], da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
-                               dt=a["dt"], trap=a["trap"], consts=m, **tables)]
-            + chunk_state.launches(**state_in, **tables, states=out["states"], inc=out["inc"],
-                                   consts=m, cfg=s_cfg)
-            + chunk_output.launches(**output_in, **tables, **outs, consts=m, cfg=o_cfg,
-                                    states=out["states"] if m.OUT_STATES else out["inc"]))
+    return chunk_output.launches(**inputs, **_tables(out), **outs, consts=m, cfg=cfg,
+                                 states=out["states"] if m.OUT_STATES else out["inc"])
 
 
 def _model_key(family: str, pb: Problem, m: configs.Constants) -> tuple:
@@ -332,13 +338,11 @@ def new_call_plan(pb: Problem, a: dict) -> Tuple[CallPlan, dict]:
     # and alignment are the copy's, so that the probes compile the kernels that run
     inc = "states" if pb.output_dtype == torch.float32 else "none"
     out = allocate(output_layout(pb, m, inc), pb.device)
-    s_cfg = resources.choose(
-        _model_key("state", pb, m), configs.state_candidates(pb),
-        lambda cfg: _launches(a, out, m, cfg, configs.output_candidates(pb)[0])[1], pb.device)
-    o_cfg = resources.choose(
-        _model_key("output", pb, m), configs.output_candidates(pb),
-        lambda cfg: [x for x in _launches(a, out, m, s_cfg, cfg)
-                     if x.fn is chunk_output.chunk_output_kernel][0], pb.device)
+    # each family's first launch is the one whose resources decide its config
+    s_cfg = resources.choose(_model_key("state", pb, m), configs.state_candidates(pb),
+                             lambda cfg: _state_launches(a, out, m, cfg)[0], pb.device)
+    o_cfg = resources.choose(_model_key("output", pb, m), configs.output_candidates(pb),
+                             lambda cfg: _output_launches(a, out, m, cfg)[0], pb.device)
     # Narrower outputs need an fp32 copy of the states, except where the scan runs and
     # chunk_output reads the rounded states: then nothing reads or writes it (268 MB at
     # N128_P64_R4_C16, B = 4) and the placeholder stands in.
@@ -346,8 +350,11 @@ def new_call_plan(pb: Problem, a: dict) -> Tuple[CallPlan, dict]:
         inc = "fp32"
         out["inc"] = torch.empty(out["states"].shape, device=pb.device, dtype=torch.float32)
     layout = output_layout(pb, m, inc)
-    plan = CallPlan.build(layout, _launches(a, out, m, s_cfg, o_cfg), dict(a, **out),
-                          placeholder(pb.device))
+    launches = ([step_terms.launch(angles=a["angles"], da_cs=a["da_cs"],
+                                   da_cs_rev=a["da_cs_rev"], dt=a["dt"], trap=a["trap"],
+                                   consts=m, **_tables(out))]
+                + _state_launches(a, out, m, s_cfg) + _output_launches(a, out, m, o_cfg))
+    plan = CallPlan.build(layout, launches, dict(a, **out), placeholder(pb.device))
     return plan, out
 
 
