@@ -21,7 +21,6 @@ first candidate off a GPU) and each of its launches compiled for the target.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -76,16 +75,9 @@ def call_launches(shape: Shape, arch: int, z_gate: bool = True,
     a["output_dtype"] = output_dtype
     measured = arch // 10 in configs.MEASURED_MAJORS
     with configs.override(**dict(overrides or {}, measured_arch=measured)):
-        pb = problem_of(a)
         args = {name: a[name] for name in bwd_fwd.ARG_NAMES}
-        if pb.C > pb.S:
-            pb = dataclasses.replace(pb, C=bwd_fwd.one_chunk_size(pb.C, pb.S, pb.R))
-        padded = bwd_fwd.pad_tail(args, pb.C)
-        sub = configs.kernel_chunk_size(pb.C, pb.R)
-        if sub != pb.C:
-            padded = bwd_fwd.split_chunks(padded, pb.C, sub, pb.S)
-            pb = dataclasses.replace(pb, C=sub)
-        prepared = bwd_fwd.prepare(padded, pb)
+        pb, kernel_args, _ = bwd_fwd.kernel_problem(problem_of(a), args)
+        prepared = bwd_fwd.prepare(kernel_args, pb)
         plan, out = bwd_fwd.new_call_plan(pb, prepared)
     env = dict(prepared, **out)
     launches = []

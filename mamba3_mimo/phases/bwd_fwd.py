@@ -231,6 +231,20 @@ def split_chunks(args: dict, chunk_size: int, sub: int, S: int) -> dict:
     return out
 
 
+def kernel_problem(pb: Problem, args: dict) -> Tuple[Problem, dict, int]:
+    """What the kernels run for a validated call of pb on `args`: a chunk_size beyond S taken as
+    one chunk of whole kernel tiles (one_chunk_size), the tail padded to whole chunks (pad_tail)
+    and chunks beyond the kernels' tiles split (split_chunks). Returns the kernels' Problem,
+    their inputs (`args` itself where nothing was rewritten) and every how many of their states
+    the model's chunks begin (1 unless split)."""
+    C = pb.C if pb.C <= pb.S else one_chunk_size(pb.C, pb.S, pb.R)
+    padded = pad_tail(args, C)
+    sub = configs.kernel_chunk_size(C, pb.R)
+    if sub == C:
+        return dataclasses.replace(pb, C=C), padded, 1
+    return dataclasses.replace(pb, C=sub), split_chunks(padded, C, sub, pb.S), C // sub
+
+
 def prepare(args: dict, pb: Problem) -> dict:
     """The kernels' view of padded inputs: contiguous small tensors, shared strides inside the
     (v, dout, z) family, placeholders for absent optional inputs (never read: their flags are
@@ -427,20 +441,14 @@ def bwd_fwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, q_bias: Tensor, k_bia
     problem = validate(*tensors, chunk_size, rotary_dim_divisor, output_dtype)
     check_device(problem.device)
     args = dict(zip(ARG_NAMES, tensors))
-    C = chunk_size
-    if C > problem.S:
-        C = one_chunk_size(C, problem.S, problem.R)
-        problem = dataclasses.replace(problem, C=C)
-    padded = pad_tail(args, C)
-    sub = configs.kernel_chunk_size(C, problem.R)
+    kernel_pb, kernel_args, every = kernel_problem(problem, args)
     with on_device(problem.device):
-        if sub == C:
-            # a call that runs on its own tensors (no tail to pad) can skip the checks next time
-            return run(problem, padded, impl, sig if padded is args else None)
-        # chunks beyond the kernels' tiles run as sub-chunks; `states` keeps the model's chunks
-        outs = run(dataclasses.replace(problem, C=sub), split_chunks(padded, C, sub, problem.S),
-                   impl)
-    return (outs[0][:, :, ::C // sub].contiguous(),) + outs[1:]
+        # a call that runs on its own tensors (nothing rewritten) can skip the checks next time
+        outs = run(kernel_pb, kernel_args, impl, sig if kernel_args is args else None)
+    if every == 1:
+        return outs
+    # chunks beyond the kernels' tiles ran as sub-chunks; `states` keeps the model's chunks
+    return (outs[0][:, :, ::every].contiguous(),) + outs[1:]
 
 
 @torch.library.custom_op("mamba3_mimo::bwd_fwd", mutates_args=())
