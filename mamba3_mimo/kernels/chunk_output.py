@@ -14,12 +14,13 @@ dot from registers instead.
 
 Non-finite inputs. The tile's dots multiply every step's k and v by the causal weights, zero
 for later steps, and 0 * NaN is NaN: a NaN or Inf in k or v at step t' would reach the outputs
-of the tile's earlier steps. A second launch of the kernel (CAREFUL) checks each tile's partial
-sums, which any non-finite value of the tile reaches, and recomputes only the tiles where one
-is not finite, with the later steps masked out; a non-finite v poisons its column from its step
-on. Outputs of a step then depend only on that step and earlier ones (docs/api.md, "NaN and
-Inf"). The check is a separate launch so that the fast path's code and registers stay as
-they are: compiled into one kernel, the rerun's code made the fast path spill.
+of the tile's earlier steps. Each program flags its tile when its dmimo_o partial sums, which
+any non-finite value of the tile reaches, are not all finite; a second launch of the kernel
+(CAREFUL), a few programs that each read a block of flags, recomputes only the flagged tiles,
+with the later steps masked out; a non-finite v poisons its column from its step on. Outputs
+of a step then depend only on that step and earlier ones (docs/api.md, "NaN and Inf"). The
+rerun is a separate launch so that the fast path's code and registers stay as they are:
+compiled into one kernel, the rerun's code made the fast path spill.
 """
 import torch
 import triton
@@ -70,8 +71,9 @@ def _finite(x):
 
 @triton.jit
 def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin, segsum,
-          states, qk_dot, dz, part_o, part_z, bh, o, pid_p, S, S_pad, plane, nc, n_tiles, H, HG,
-          sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
+          states, qk_dot, dz, part_o, part_z, flag, n_prog, bh, o, pid_p, S, S_pad, plane, nc,
+          n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
+          sgb, sgh, sgc, R,
           N: tl.constexpr, P: tl.constexpr, C, TP: tl.constexpr, RP: tl.constexpr,
           HALF: tl.constexpr, RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
           U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
@@ -81,7 +83,9 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
     (those < nc), TP >= U*C steps; the scores are computed once for the PB blocks. CAREFUL (the
     rerun of a tile that met a non-finite value): the causal mask is applied to the weighted
     scores rather than through zero weights, non-finite v is zeroed in the dot and its column
-    poisoned from its step on, and qk_dot is not stored again."""
+    poisoned from its step on, and qk_dot is not stored again. Otherwise the flag of P block pp,
+    at flag + pp * n_prog and cleared by the caller, is set where a dmimo_o partial sum of the
+    block is not finite."""
     b, h = bh // H, bh % H
     g = h // HG
     t, r = chunk_rows(TP, RP)
@@ -174,58 +178,77 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
                                            HAS_Z, 2 if OPAQUE else 1)  # the sigmoid: inline asm
         part = (bh * n_tiles + o) * R * P
         store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
+        if not CAREFUL:
+            # after the barrier, which orders it after the program's clearing of the flag; any
+            # thread whose sum is not finite (0 * NaN or Inf is NaN) sets it
+            tl.debug_barrier()
+            tl.store(flag + pp * n_prog + tl.zeros([RP, BP], dtype=tl.int32), 1.0,
+                     mask=(sum_o * 0.0) != 0.0)
 
 
-@triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "n_bh", "sqb", "skb",
-                               "svb", "sgb", "sgh"])
+@triton.jit
+def _tile_of(pid, n_bh, n_tiles):
+    """(b*h, tile) of the fast launch's program pid on grid axis 0: b*h fastest, the last tiles
+    first (the state pass wrote their states last, so those are the ones still in L2 when the
+    kernel starts)."""
+    return pid % n_bh, n_tiles - 1 - pid // n_bh
+
+
+@triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "n_bh", "n_prog", "sqb",
+                               "skb", "svb", "sgb", "sgh"])
 def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
-                        sin, segsum, states, qk_dot, dz, part_o, part_z,
-                        S, S_pad, plane, nc, n_tiles, n_bh, H, HG, sqb, sqs, sqr, sqg, sqn,
-                        skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
+                        sin, segsum, states, qk_dot, dz, part_o, part_z, flags,
+                        S, S_pad, plane, nc, n_tiles, n_bh, n_prog, H, HG, sqb, sqs, sqr, sqg,
+                        sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
                         N: tl.constexpr, P: tl.constexpr, C,
                         TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr,
                         RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
                         BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr,
-                        CAREFUL: tl.constexpr, CHECK_TILES: tl.constexpr):
-    """One tile of one (b, h) and PB P blocks (`_tile`). CAREFUL: the second launch, whose
-    programs check CHECK_TILES tiles each and rerun those whose dmimo_o partial sums from the
-    first are not all finite (any NaN or Inf of a tile's raw_y reaches dout * gate * raw_y).
-    sqb, skb, svb, sgb, sgh come divided by BA (kernels.input_align)."""
-    # (b*h, tile) flattened on grid axis 0, b*h fastest: axis 1 would cap the tiles at 65,535
-    pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
-    bh = (pid % n_bh).to(tl.int64)
-    pid_p = tl.program_id(1)
+                        CAREFUL: tl.constexpr, FLAG_BLOCK: tl.constexpr):
+    """One tile of one (b, h) and PB P blocks (`_tile`), grid (B*H * tiles, P blocks) = n_prog
+    programs. flags [PB, n_prog]: flags[pp, pid_p * B*H * tiles + pid] is 1 where a dmimo_o
+    partial sum of P block pp is not finite, else 0. CAREFUL: the rerun launch, grid
+    (cdiv(n_prog, FLAG_BLOCK),), whose programs read the flags of FLAG_BLOCK programs each and
+    rerun the flagged tiles (none, almost always). sqb, skb, svb, sgb, sgh come divided by BA
+    (kernels.input_align)."""
+    n_prog = n_prog.to(tl.int64)  # PB * n_prog flags can pass 2**31
     if CAREFUL:
-        # CHECK_TILES tiles per program: their dmimo_o partial sums in one load, then a rerun
-        # of each tile with a non-finite one (none, almost always)
-        first = (pid // n_bh) * CHECK_TILES
-        i = tl.arange(0, CHECK_TILES)
-        r = tl.arange(0, RP)
-        p = pid_p * PB * BP + tl.arange(0, PB * BP)
-        tiles = first + i
-        at = ((bh * n_tiles + tiles[:, None, None]) * R + r[None, :, None]) * P
-        ok = (tiles < n_tiles)[:, None, None] & (r < R)[None, :, None] & (p < P)[None, None, :]
-        sums = tl.load(part_o + at + p[None, None, :], mask=ok, other=0.0)
-        bad = tl.sum(tl.sum((~_finite(sums)).to(tl.int32), axis=2), axis=1)
-        for j in range(CHECK_TILES):
-            if tl.sum(tl.where(i == j, bad, 0), axis=0) > 0:
-                _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
-                      sin, segsum, states, qk_dot, dz, part_o, part_z, bh,
-                      tl.cast(first + j, tl.int64), pid_p, S, S_pad, plane, nc, n_tiles, H, HG,
-                      sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb,
-                      sgh, sgc, R, N, P, C, TP, RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC,
-                      EXACT, OPAQUE, BA, PREFETCH, PB, True)
+        first = tl.program_id(0).to(tl.int64) * FLAG_BLOCK
+        i = tl.arange(0, FLAG_BLOCK)
+        flag = tl.zeros([FLAG_BLOCK], dtype=tl.float32)
+        for pp in tl.static_range(PB):
+            flag += tl.load(flags + pp * n_prog + first + i, mask=first + i < n_prog, other=0.0)
+        if tl.sum(flag, axis=0) > 0:
+            for j in range(FLAG_BLOCK):
+                if tl.sum(tl.where(i == j, flag, 0.0), axis=0) > 0:
+                    # program first + j of the fast launch: pid_p * B*H * tiles + pid
+                    pid = (first + j) % (n_bh * n_tiles)
+                    pid_p = (first + j) // (n_bh * n_tiles)
+                    bh, o = _tile_of(pid, n_bh, n_tiles)
+                    _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms,
+                          cos, sin, segsum, states, qk_dot, dz, part_o, part_z, flags, n_prog,
+                          bh, o, pid_p.to(tl.int32), S, S_pad, plane, nc, n_tiles, H, HG, sqb,
+                          sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb,
+                          sgh, sgc, R, N, P, C, TP, RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC,
+                          EXACT, OPAQUE, BA, PREFETCH, PB, True)
     else:
-        # the last tiles first: the state pass wrote their states last, so those are the ones
-        # still in L2 when this kernel starts
-        o = (n_tiles - 1 - pid // n_bh).to(tl.int64)
+        # (b*h, tile) flattened on grid axis 0: axis 1 would cap the tiles at 65,535. The
+        # program ids are < 2**31: 32-bit division, then 64-bit offsets.
+        pid, pid_p = tl.program_id(0), tl.program_id(1)
+        bh, o = _tile_of(pid, n_bh, n_tiles)
+        flag = flags + pid_p.to(tl.int64) * n_bh * n_tiles + pid
+        # cleared here, set by the threads that meet a non-finite sum after a barrier (_tile):
+        # a reduction of the sums to one flag made the fast path spill
+        for pp in tl.static_range(PB):
+            tl.store(flag + pp * n_prog, 0.0)
         _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin,
-              segsum, states, qk_dot, dz, part_o, part_z, bh, o, pid_p, S, S_pad, plane, nc,
-              n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh,
-              svp, sgb, sgh, sgc, R, N, P, C, TP, RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC,
-              EXACT, OPAQUE, BA, PREFETCH, PB, False)
+              segsum, states, qk_dot, dz, part_o, part_z, flag, n_prog, bh.to(tl.int64),
+              o.to(tl.int64), pid_p, S, S_pad, plane, nc, n_tiles, H, HG, sqb, sqs, sqr, sqg,
+              sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R, N, P, C, TP,
+              RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC, EXACT, OPAQUE, BA, PREFETCH, PB,
+              False)
 
 
 @triton.jit(do_not_specialize=["n_bh", "n_tiles", "s_part"])
@@ -241,16 +264,29 @@ def rank_sums_kernel(parts, sums, n_bh, n_tiles, s_part, RP_SIZE: tl.constexpr,
     cm = col < RP_SIZE
     src = parts + (i // n_bh) * s_part + (i % n_bh) * n_tiles * RP_SIZE
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    t = tl.arange(0, ROWS)
     for t0 in range(0, n_tiles, ROWS):
-        t = tl.cast(t0 + tl.arange(0, ROWS), tl.int64)  # tiles x R*P can pass 2**31
+        # tiles x R*P can pass 2**31: the pointer moves by ROWS tiles as a 64-bit scalar, the
+        # offsets of the ROWS tiles stay 32-bit
         x = tl.load(src + t[:, None] * RP_SIZE + col[None, :],
-                    mask=(t < n_tiles)[:, None] & cm[None, :], other=0.0)
+                    mask=(t < n_tiles - t0)[:, None] & cm[None, :], other=0.0)
         acc += tl.sum(x, axis=0)
+        src += ROWS * RP_SIZE
     tl.store(sums + i * RP_SIZE + col, acc, mask=cm)
 
 
-# tiles whose partial sums one program of the rerun launch checks: few programs, one load each
-CHECK_TILES = 8
+# flags that one program of the rerun launch reads: a few programs, one load each
+FLAG_BLOCK = 1024
+
+
+def program_count(consts, cfg) -> int:
+    """The number of programs of chunk_output's fast launch in config cfg."""
+    return consts.B * consts.H * cdiv(consts.nc, consts.U) * cdiv(consts.P, cfg.BP * cfg.PB)
+
+
+def flag_count(consts, cfg) -> int:
+    """The number of flags of chunk_output in config cfg: one per P block of each program."""
+    return cfg.PB * program_count(consts, cfg)
 
 
 def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -258,10 +294,13 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
              mimo_o: torch.Tensor, mimo_z: torch.Tensor, d: torch.Tensor, segsum: torch.Tensor,
              terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, states: torch.Tensor,
              qk_dot: torch.Tensor, dz: torch.Tensor, parts: torch.Tensor, part_o: torch.Tensor,
-             part_z: torch.Tensor, dmimo: torch.Tensor, consts, cfg) -> list:
-    """The launch that writes qk_dot [B, H, S, R, R], dz [B, S, H, P] and the dmimo partial sums,
-    its rerun of the tiles that met a non-finite value (CAREFUL), then the one that reduces the
-    partial sums into dmimo [n_sums, B, H, R, P] fp32 (dmimo_o, and dmimo_z with Z). Reads the padded inputs (q, k [B, S_pad, R, G, N]; v, dout, z [B, S_pad, H, P];
+             part_z: torch.Tensor, flags: torch.Tensor, dmimo: torch.Tensor, consts,
+             cfg) -> list:
+    """The launch that writes qk_dot [B, H, S, R, R], dz [B, S, H, P], the dmimo partial sums
+    and a flag per program in `flags` (fp32, at least flag_count(...) elements), its rerun of the
+    flagged tiles (CAREFUL), then the one that reduces the partial sums into dmimo
+    [n_sums, B, H, R, P] fp32 (dmimo_o, and dmimo_z with Z). Reads the padded inputs (q, k
+    [B, S_pad, R, G, N]; v, dout, z [B, S_pad, H, P];
     segsum [B, H, nc, C, C]; z and mimo_z, d may be stand-ins when absent), step_terms' terms,
     cos, sin and chunk_state's `states` (the output, or its fp32 copy). part_o, part_z:
     [B*H, n_tiles, R, P] fp32 views of parts [n_sums, B, H, n_tiles, R, P], n_tiles =
@@ -269,13 +308,18 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     m = consts
     B, H = m.B, m.H
     n_tiles = cdiv(m.nc, m.U)
+    p_blocks = cdiv(m.P, cfg.BP * cfg.PB)
+    n_prog = program_count(m, cfg)
+    if flags.numel() < flag_count(m, cfg):
+        raise ValueError(f"flags: {flag_count(m, cfg)} elements needed, got {flags.numel()}")
     BA = input_align(m.ALIGN, q, k, v, segsum)
     qs, ks, vs, gs = q.stride(), k.stride(), v.stride(), segsum.stride()
     kwargs = dict(
         q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
         mimo_o=mimo_o, mimo_z=mimo_z, d=d, terms=terms, cos=cos, sin=sin, segsum=segsum,
-        states=states, qk_dot=qk_dot, dz=dz, part_o=part_o, part_z=part_z,
-        S=m.S, S_pad=m.S_pad, plane=B * H * m.S_pad, nc=m.nc, n_tiles=n_tiles, n_bh=B * H, H=H,
+        states=states, qk_dot=qk_dot, dz=dz, part_o=part_o, part_z=part_z, flags=flags,
+        S=m.S, S_pad=m.S_pad, plane=B * H * m.S_pad, nc=m.nc, n_tiles=n_tiles, n_bh=B * H,
+        n_prog=n_prog, H=H,
         HG=H // m.G, sqb=qs[0] // BA, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
         skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
         svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3],
@@ -285,14 +329,13 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
         PB=cfg.PB)
     RP_SIZE = m.R * m.P
     BLOCK = min(128, next_pow2(RP_SIZE))
-    p_blocks = cdiv(m.P, cfg.BP * cfg.PB)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return [Launch(chunk_output_kernel, (B * H * n_tiles, p_blocks),
-                   dict(kwargs, CAREFUL=False, CHECK_TILES=CHECK_TILES), options),
-            # the rerun of tiles that met a non-finite value: a program checks CHECK_TILES
-            # tiles' partial sums and, for clean ones, exits
-            Launch(chunk_output_kernel, (B * H * cdiv(n_tiles, CHECK_TILES), p_blocks),
-                   dict(kwargs, CAREFUL=True, CHECK_TILES=CHECK_TILES), options),
+                   dict(kwargs, CAREFUL=False, FLAG_BLOCK=FLAG_BLOCK), options),
+            # the rerun of flagged tiles: a program reads FLAG_BLOCK flags and, if none is set,
+            # exits
+            Launch(chunk_output_kernel, (cdiv(n_prog, FLAG_BLOCK),),
+                   dict(kwargs, CAREFUL=True, FLAG_BLOCK=FLAG_BLOCK), options),
             Launch(rank_sums_kernel, (parts.shape[0] * B * H, cdiv(RP_SIZE, BLOCK)), dict(
                 parts=parts, sums=dmimo, n_bh=B * H, n_tiles=n_tiles, s_part=parts.stride(0),
                 RP_SIZE=RP_SIZE, BLOCK=BLOCK, ROWS=32), dict(num_warps=4))]

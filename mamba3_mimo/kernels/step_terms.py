@@ -25,8 +25,8 @@ LOG_K = tl.constexpr(5)  # only with U > 1
 N_PLANES = 6
 
 
-@triton.jit(do_not_specialize=["S_pad", "n_bh", "sab", "nc"])
-def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad, n_bh, H, nc, C,
+@triton.jit(do_not_specialize=["S_pad", "n_bh", "sab"])
+def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad, n_bh, H, C,
                       sab, sas, sah, san, RD, BS: tl.constexpr, RDP: tl.constexpr,
                       U: tl.constexpr):
     """For steps s of one (b, h): terms[GAMMA] = gamma, terms[TRAP_SCALE] = trap_scale,
@@ -42,37 +42,41 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     # length at 65,535 blocks
     pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
     bh = (pid % n_bh).to(tl.int64)
-    s = ((pid // n_bh) * BS + tl.arange(0, BS)).to(tl.int64)
-    m = s < S_pad
-    row = bh * S_pad
-    gamma, trap_scale = trap_terms(dt + row, trap + row, s, m, S_pad)
-    rev = tl.load(da_cs_rev + row + s, mask=m, other=0.0)
-    log_q = tl.load(da_cs + row + s, mask=m, other=0.0)
+    s0 = (pid // n_bh).to(tl.int64) * BS  # the block's first step
+    # the block's steps as 32-bit offsets from s0, which moves the pointers as one 64-bit scalar
+    sl = tl.arange(0, BS)
+    left = tl.minimum(S_pad - s0, BS + U * C).to(tl.int32)  # steps from s0 on (capped)
+    m = sl < left
+    at = bh * S_pad + s0  # the block's first step in the [B*H, S_pad] rows
+    gamma, trap_scale = trap_terms(dt + at, trap + at, sl, m, left)
+    rev = tl.load(da_cs_rev + at + sl, mask=m, other=0.0)
+    log_q = tl.load(da_cs + at + sl, mask=m, other=0.0)
     plane = n_bh.to(tl.int64) * S_pad  # six planes of B*H*S_pad steps can pass 2**31
     if U > 1:
-        c = s // C
-        sub = c % U
+        first = (s0 % C).to(tl.int32)  # s0's place in its chunk
+        c = (first + sl) // C  # chunk of each step, counted from s0's chunk
+        sub = (((s0 // C) % U).to(tl.int32) + c) % U  # ... and its place in its tile
         before = tl.zeros_like(log_q)  # D of the tile's chunks before s's chunk
         upto = tl.zeros_like(log_q)  # ... and up to it
         for i in tl.static_range(U):
-            ci = c - sub + i
-            d_i = tl.load(da_cs + row + ci * C + C - 1, mask=m & (ci < nc), other=0.0)
+            end = (c - sub + i) * C - first + C - 1  # the last step of the tile's chunk i
+            d_i = tl.load(da_cs + at + end, mask=m & (end < left), other=0.0)
             before += tl.where(i < sub, d_i, 0.0)
             upto += tl.where(i <= sub, d_i, 0.0)
         log_q += before
-        tl.store(terms + LOG_Q * plane + row + s, log_q, mask=m)
-        tl.store(terms + LOG_K * plane + row + s, rev - upto, mask=m)
-    tl.store(terms + GAMMA * plane + row + s, gamma, mask=m)
-    tl.store(terms + TRAP_SCALE * plane + row + s, trap_scale, mask=m)
-    tl.store(terms + K_DECAY * plane + row + s, trap_scale * tl.exp(rev), mask=m)
-    tl.store(terms + Q_DECAY * plane + row + s, tl.exp(log_q), mask=m)
+        tl.store(terms + LOG_Q * plane + at + sl, log_q, mask=m)
+        tl.store(terms + LOG_K * plane + at + sl, rev - upto, mask=m)
+    tl.store(terms + GAMMA * plane + at + sl, gamma, mask=m)
+    tl.store(terms + TRAP_SCALE * plane + at + sl, trap_scale, mask=m)
+    tl.store(terms + K_DECAY * plane + at + sl, trap_scale * tl.exp(rev), mask=m)
+    tl.store(terms + Q_DECAY * plane + at + sl, tl.exp(log_q), mask=m)
     b, h = bh // H, bh % H
-    cs, sn = rotary_cos_sin(angles + b * sab + h * sah, s * sas, m, 0, RDP, RD, san)
+    cs, sn = rotary_cos_sin(angles + b * sab + h * sah + s0 * sas, sl * sas, m, 0, RDP, RD, san)
     j = tl.arange(0, RDP)
-    off = (row + s)[:, None] * RD + j[None, :]
+    off = sl[:, None] * RD + j[None, :]
     jm = m[:, None] & (j < RD)[None, :]
-    tl.store(cos + off, cs, mask=jm)
-    tl.store(sin + off, sn, mask=jm)
+    tl.store(cos + at * RD + off, cs, mask=jm)
+    tl.store(sin + at * RD + off, sn, mask=jm)
 
 
 def table_views(consts) -> Tuple[int, list]:
@@ -98,6 +102,6 @@ def launch(*, angles: torch.Tensor, da_cs: torch.Tensor, da_cs_rev: torch.Tensor
     n_bh = m.B * m.H
     return Launch(step_terms_kernel, (n_bh * cdiv(m.S_pad, m.STEP_BS),), dict(
         angles=angles, da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, terms=terms, cos=cos,
-        sin=sin, S_pad=m.S_pad, n_bh=n_bh, H=m.H, nc=m.nc, C=m.C, sab=angles.stride(0),
+        sin=sin, S_pad=m.S_pad, n_bh=n_bh, H=m.H, C=m.C, sab=angles.stride(0),
         sas=angles.stride(1), sah=angles.stride(2), san=angles.stride(3), RD=m.RD, BS=m.STEP_BS,
         RDP=m.RDP, U=m.U), {})

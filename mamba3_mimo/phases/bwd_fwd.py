@@ -282,25 +282,29 @@ class OutputLayout(NamedTuple):
 
 
 def output_layout(pb: Problem, m: configs.Constants, inc: str) -> OutputLayout:
-    """The outputs and one fp32 scratch buffer (step_terms' tables and the dmimo partial sums,
-    at 256-byte aligned offsets) of a production call; `inc` says what the state pass's fp32
-    copy of the states is."""
+    """The outputs and one fp32 scratch buffer (step_terms' tables, the dmimo partial sums at
+    256-byte aligned offsets, and chunk_output's flags) of a production call; `inc` says what
+    the state pass's fp32 copy of the states is."""
     B, H, R, P = pb.B, pb.H, pb.R, pb.P
     numel, views = step_terms.table_views(m)
     tiles = cdiv(m.nc, m.U)
     n_sums, block = (2 if pb.has_z else 1), aligned_numel(B * H * tiles * R * P)
     part = (B, H, tiles, R, P), (H * tiles * R * P, tiles * R * P, R * P, P, 1)
+    # chunk_output's flags, as many as the candidate config with the most programs needs
+    flags = max(chunk_output.flag_count(m, cfg) for cfg in configs.output_candidates(pb))
     views += [("parts", (n_sums,) + part[0], (block,) + part[1], numel),
-              ("part_o", *part, numel), ("part_z", *part, numel + (n_sums - 1) * block)]
+              ("part_o", *part, numel), ("part_z", *part, numel + (n_sums - 1) * block),
+              ("flags", (flags,), (1,), numel + n_sums * block)]
     return OutputLayout(
         states=(B, H, m.nc, pb.N, P), qk_dot=(B, H, pb.S, R, R),
         dz=(B, pb.S, H, P) if pb.has_z else None, dmimo=(n_sums, B, H, R, P), inc=inc,
-        dtype=pb.output_dtype, scratch=numel + n_sums * block, views=tuple(views))
+        dtype=pb.output_dtype, scratch=numel + n_sums * block + flags, views=tuple(views))
 
 
 def allocate(layout: OutputLayout, dev: torch.device) -> dict:
     """A call's outputs and scratch, by name: states, qk_dot, dz (the placeholder without Z),
-    dmimo, inc, step_terms' tables and the dmimo partial sums (parts, part_o, part_z)."""
+    dmimo, inc, step_terms' tables, the dmimo partial sums (parts, part_o, part_z) and
+    chunk_output's flags."""
     L = layout
     states = torch.empty(L.states, device=dev, dtype=L.dtype)
     out = dict(states=states, qk_dot=torch.empty(L.qk_dot, device=dev, dtype=L.dtype),
@@ -332,7 +336,7 @@ def _output_launches(a: dict, out: dict, m: configs.Constants,
     """chunk_output's launches (and rank_sums') of a production call."""
     inputs = {n: a[n] for n in ("q", "k", "v", "dout", "z", "q_bias", "k_bias", "mimo_v",
                                 "mimo_o", "mimo_z", "d", "segsum")}
-    outs = {n: out[n] for n in ("qk_dot", "dz", "parts", "part_o", "part_z", "dmimo")}
+    outs = {n: out[n] for n in ("qk_dot", "dz", "parts", "part_o", "part_z", "flags", "dmimo")}
     return chunk_output.launches(**inputs, **_tables(out), **outs, consts=m, cfg=cfg,
                                  states=out["states"] if m.OUT_STATES else out["inc"])
 
