@@ -32,18 +32,17 @@ def _block(bh, blk, n_jb, H, R, C, P, TP: tl.constexpr, RP: tl.constexpr, BJ: tl
 
 
 @triton.jit
-def _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c, C, t, r, rows, tt, live, p, pm, sks, skr, skn,
+def _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, live, p, pm, sks, skr, skn,
                   svs, svp, j0, HALF, RD, BJ: tl.constexpr):
-    """What chunk c's increment reads, as loaded (nothing where `live` is false): k's pair
-    columns, cos/sin and the k decay weights (K_DECAY row at w_x) of the rows, and v of the
-    steps; kx, vx, cos_x, sin_x, w_x point at the (b, h) slices. The chunk's first step times
-    a step stride can pass 2**31 on long sequences: it moves the pointers as one 64-bit scalar,
-    and the rows' offsets inside the chunk stay 32-bit."""
-    c0 = tl.cast(c, tl.int64) * C
-    x1, x2 = load_pair_columns(kx + c0 * sks, t * sks + r * skr, rows & live, j0, BJ, HALF, skn)
-    cs, sn = load_cos_sin(cos_x + c0 * RD, sin_x + c0 * RD, t * RD, rows & live, j0, BJ, RD)
-    w = tl.load(w_x + c0 + t, mask=rows & live, other=0.0)
-    xv = load_v_steps(vx + c0 * svs, tt * svs, (tt < C) & live, p, pm, svp)
+    """What a chunk's increment reads, as loaded (nothing where `live` is false): k's pair
+    columns, cos/sin and the k decay weights (K_DECAY row) of the rows, and v of the steps;
+    kc, vc, cos_c, sin_c, w_c point at the chunk's first step of the (b, h) slices (a chunk's
+    first step times a step stride can pass 2**31: the callers move these 64-bit pointers, and
+    the offsets inside the chunk stay 32-bit)."""
+    x1, x2 = load_pair_columns(kc, t * sks + r * skr, rows & live, j0, BJ, HALF, skn)
+    cs, sn = load_cos_sin(cos_c, sin_c, t * RD, rows & live, j0, BJ, RD)
+    w = tl.load(w_c + t, mask=rows & live, other=0.0)
+    xv = load_v_steps(vc, tt * svs, (tt < C) & live, p, pm, svp)
     return x1, x2, cs, sn, w, xv
 
 
@@ -90,11 +89,12 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     row = bh * S_pad
     b1, b2 = load_pair_columns(k_bias + h * R * N, r * N, rows, j0, BJ, HALF, 1)
+    c0 = c * C  # the chunk's first step, 64-bit
     x1, x2, cs, sn, w, xv = _chunk_inputs(
-        k + b * skb * BA + (h // HG) * skg, v + b * svb * BA + h * svh, cos + row * RD,
-        sin + row * RD, terms + K_DECAY * tl.cast(plane, tl.int64) + row, c, C, t, r, rows,
-        tl.arange(0, TP), True,
-        p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
+        k + b * skb * BA + (h // HG) * skg + c0 * sks, v + b * svb * BA + h * svh + c0 * svs,
+        cos + (row + c0) * RD, sin + (row + c0) * RD,
+        terms + K_DECAY * tl.cast(plane, tl.int64) + row + c0, C, t, r, rows, tl.arange(0, TP),
+        True, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     k1, k2, psi_t = _increment_operands(x1, x2, b1, b2, cs, sn, xv,
                                         load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP))
     j = j0 + tl.arange(0, BJ)
@@ -158,14 +158,20 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)
     row = bh * S_pad
-    kx = k + b * skb * BA + (h // HG) * skg
-    vx = v + b * svb * BA + h * svh
-    cos_x, sin_x = cos + row * RD, sin + row * RD
-    w_x = terms + K_DECAY * tl.cast(plane, tl.int64) + row
+    # pointers at a chunk's first step, moved by one chunk's strides (64-bit scalars) per chunk
+    kc = k + b * skb * BA + (h // HG) * skg
+    vc = v + b * svb * BA + h * svh
+    cos_c, sin_c = cos + row * RD, sin + row * RD
+    w_c = terms + K_DECAY * tl.cast(plane, tl.int64) + row
+    k_step, v_step = tl.cast(C, tl.int64) * sks, tl.cast(C, tl.int64) * svs
     b1, b2 = load_pair_columns(k_bias + h * R * N, r * N, rows, j0, BJ, HALF, 1)
     mv = load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP)
     j = j0 + tl.arange(0, BJ)
-    off = bh * nc * N * P + j[None, :] * P + p[:, None]  # [BP, BJ], as chunk_increment's
+    # the (b, h) slice's base as a 64-bit scalar, the offsets inside one chunk's state 32-bit:
+    # a 64-bit offset tensor took 8 more registers
+    states += bh * nc * N * P
+    keep += bh * nc * N * P
+    off = j[None, :] * P + p[:, None]  # [BP, BJ], as chunk_increment's
     m = (j < HALF)[None, :] & pm[:, None]
     run1 = tl.zeros([BP, BJ], dtype=tl.float32)
     run2 = tl.zeros([BP, BJ], dtype=tl.float32)
@@ -176,34 +182,36 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         tl.store(keep + off + HALF * P, run2, mask=m)
     # chunk 0's inputs; in the loop, chunk c + 2's are loaded before chunk c's math, so that the
     # serial loop waits for memory only when the math is shorter than a load
-    x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 0, C, t, r, rows, tt,
-                                          nc > 1, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
-                                          BJ)
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, nc > 1,
+                                          p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     # chunk 0's increment, and chunk 1's inputs: in the loop, chunk c + 1's increment is computed
     # after chunk c's state is stored, so that the running state's update never waits for a dot
     inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
-    x1, x2, cs, sn, w, xv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, 1, C, t, r, rows, tt,
-                                          nc > 2, p, pm, sks, skr, skn, svs, svp, j0, HALF, RD,
-                                          BJ)
+    kc, vc, cos_c, sin_c, w_c = kc + k_step, vc + v_step, cos_c + C * RD, sin_c + C * RD, w_c + C
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, nc > 2,
+                                          p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     # da_cs at the end of each chunk, one chunk ahead as well: loaded where it is used, this
     # scalar held up every step of the chain (18 % of the scan's stall samples)
     log_decay = tl.load(da_cs + row + C - 1)
     for c in range(0, nc - 1):
-        nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kx, vx, cos_x, sin_x, w_x, c + 2, C, t, r,
-                                                    rows, tt, c + 3 < nc, p, pm, sks, skr, skn,
-                                                    svs, svp, j0, HALF, RD, BJ)
+        # chunk c + 2's
+        kc, vc = kc + k_step, vc + v_step
+        cos_c, sin_c, w_c = cos_c + C * RD, sin_c + C * RD, w_c + C
+        nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt,
+                                                    c + 3 < nc, p, pm, sks, skr, skn, svs, svp,
+                                                    j0, HALF, RD, BJ)
         # chunk c + 1's, within S_pad = nc * C since c + 2 <= nc
         next_log_decay = tl.load(da_cs + row + (c + 2) * C - 1)
         decay = tl.exp(log_decay)
         run1 = run1 * decay + inc1
         run2 = run2 * decay + inc2
-        so = off + tl.cast(c + 1, tl.int64) * (N * P)  # chunks x N*P can pass 2**31
-        tl.store(states + so, run1.to(states.dtype.element_ty), mask=m)
-        tl.store(states + so + HALF * P, run2.to(states.dtype.element_ty), mask=m)
+        so = tl.cast(c + 1, tl.int64) * (N * P)  # chunks x N*P can pass 2**31
+        tl.store(states + so + off, run1.to(states.dtype.element_ty), mask=m)
+        tl.store(states + so + off + HALF * P, run2.to(states.dtype.element_ty), mask=m)
         if KEEP_FP32:
             tile_start = (c + 1) % U == 0
-            tl.store(keep + so, run1, mask=m & tile_start)
-            tl.store(keep + so + HALF * P, run2, mask=m & tile_start)
+            tl.store(keep + so + off, run1, mask=m & tile_start)
+            tl.store(keep + so + off + HALF * P, run2, mask=m & tile_start)
         # chunk c + 1's increment (zero past the last chunk that has one: its inputs are masked)
         inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
