@@ -1,0 +1,179 @@
+"""The whole operator's preprocessing (SPEC section 6): from the raw per-step inputs, the
+rotation angles (the running sum of tanh(Angles) * pi * DT, mod 2*pi) and the chunked decay
+pieces (da_cs, da_cs_rev, segsum of A = running sum of ADT), in the form bwd_fwd's kernels read
+them; and the angles' backward, from the gradient of the rotation angles to those of Angles
+and DT.
+
+The decay pieces are chunk-local (A[t] - A[c*C - 1] and its differences inside chunk c), so one
+program per (b*h, chunk) computes them with no carry between chunks. The angle sum runs over
+the whole sequence: one program per (b, h) walks it in blocks of steps, all RD angles at once,
+with the running angle kept mod 2*pi between blocks so that its fp32 rounding does not grow with
+the length.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime.device import on_device
+from . import cdiv, next_pow2
+
+TWO_PI = 2 * math.pi
+# decay pieces: the [C, C] segsum block of a chunk is one register tile
+MAX_CHUNK = 128
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 2 sigmoid(2x) - 1 (Triton 3.6 has no tanh that the interpreter runs): about one
+    ulp of 1 in absolute error, which is what the angles, a running sum, need."""
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit(do_not_specialize=["S", "sab", "sdb", "sob"])
+def angle_sum_kernel(angles_raw, dt, angles, d_angles, d_angles_raw, d_dt, S, H, RD, sab, sas,
+                     sah, sar, sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr, BR: tl.constexpr,
+                     TWO_PI: tl.constexpr, REVERSE: tl.constexpr):
+    """One (b, h) per program, the steps in blocks of BS, the RD angles in one BR block.
+
+    Forward: angles[b, t, h, :] = (sum_{u<=t} tanh(angles_raw[b, u, h, :]) pi dt[b, h, u])
+    mod 2*pi. REVERSE (the backward): with g[u] = sum_{t>=u} d_angles[b, t, h, :] (the mod has
+    gradient 1), d_angles_raw[b, u, h, :] = g[u] pi dt[u] (1 - tanh^2) and d_dt[b, h, u] =
+    sum_r g[u] pi tanh; the steps are walked from the last block to the first. angles_raw and
+    d_angles_raw share strides (sab, sas, sah, sar); angles and d_angles too (sob, ...); dt and
+    d_dt too (sdb, sdh, sds)."""
+    bh = tl.program_id(0)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    i = tl.arange(0, BS)
+    r = tl.arange(0, BR)
+    rm = r < RD
+    # the (b, h) slices' bases as 64-bit scalars; a block's first step moves them, and the
+    # offsets inside a block stay 32-bit
+    raw_at = b * sab + h * sah
+    dt_at = b * sdb + h * sdh
+    out_at = b * sob + h * soh
+    raw_off = i[:, None] * sas + r[None, :] * sar
+    out_off = i[:, None] * sos + r[None, :]
+    pi = TWO_PI / 2
+    carry = tl.zeros([BR], dtype=tl.float32)
+    n_blocks = tl.cdiv(S, BS)
+    for blk in range(n_blocks):
+        if REVERSE:
+            s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
+        else:
+            s0 = tl.cast(blk, tl.int64) * BS
+        sm = i < S - s0
+        m = sm[:, None] & rm[None, :]
+        x = tl.load(angles_raw + raw_at + s0 * sas + raw_off, mask=m, other=0.0)
+        d = tl.load(dt + dt_at + s0 * sds + i * sds, mask=sm, other=0.0)
+        th = _tanh(x)
+        if REVERSE:
+            g_out = tl.load(d_angles + out_at + s0 * sos + out_off, mask=m, other=0.0)
+            # g[u] = carry + sum_{t>=u in the block} g_out[t]: the block's total minus the
+            # inclusive running sum, plus the row itself
+            run = tl.cumsum(g_out, axis=0)
+            g = carry[None, :] + tl.sum(g_out, axis=0)[None, :] - run + g_out
+            carry = carry + tl.sum(g_out, axis=0)
+            tl.store(d_angles_raw + raw_at + s0 * sas + raw_off,
+                     g * pi * d[:, None] * (1 - th * th), mask=m)
+            tl.store(d_dt + dt_at + s0 * sds + i * sds, tl.sum(g * th, axis=1) * pi, mask=sm)
+        else:
+            total = carry[None, :] + tl.cumsum(th * pi * d[:, None], axis=0)
+            total = total - TWO_PI * tl.floor(total / TWO_PI)
+            tl.store(angles + out_at + s0 * sos + out_off, total, mask=m)
+            # masked steps add nothing, so the block's last row is its last valid step's
+            carry = tl.sum(tl.where((i == BS - 1)[:, None], total, 0.0), axis=0)
+
+
+@triton.jit(do_not_specialize=["S", "n_bh", "sab", "sah"])
+def decay_pieces_kernel(adt, da_cs, da_cs_rev, segsum, S, n_bh, nc, C, sab, sah, sas, H,
+                        CP: tl.constexpr):
+    """One (b*h, chunk) per program (b*h fastest on grid axis 0): with x the chunk's ADT (zero
+    past S), da_cs = cumsum(x), da_cs_rev = sum(x) - da_cs and segsum[i, j] = da_cs[i] -
+    da_cs[j] for i > j, else 0, over the whole [C, C] block (SPEC section 2, as
+    reference.decay_pieces). da_cs, da_cs_rev: [B, H, S] contiguous; segsum [B, H, nc, C, C]
+    contiguous."""
+    pid = tl.program_id(0)
+    bh, c = pid % n_bh, pid // n_bh
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    s0 = tl.cast(c, tl.int64) * C
+    i = tl.arange(0, CP)
+    valid = (i < C) & (i < S - s0)
+    x = tl.load(adt + b * sab + h * sah + s0 * sas + i * sas, mask=valid, other=0.0)
+    cs = tl.cumsum(x, axis=0)
+    row = tl.cast(bh, tl.int64) * S + s0
+    tl.store(da_cs + row + i, cs, mask=valid)
+    tl.store(da_cs_rev + row + i, tl.sum(x, axis=0) - cs, mask=valid)
+    j = tl.arange(0, CP)
+    seg = tl.where(i[:, None] > j[None, :], cs[:, None] - cs[None, :], 0.0)
+    block = segsum + (tl.cast(bh, tl.int64) * nc + c) * C * C
+    tl.store(block + i[:, None] * C + j[None, :], seg, mask=(i < C)[:, None] & (j < C)[None, :])
+
+
+def _check_steps(name: str, x: torch.Tensor, shape: tuple) -> None:
+    if tuple(x.shape) != tuple(shape) or x.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32 of shape {list(shape)}, got {x.dtype} "
+                         f"{list(x.shape)}")
+
+
+def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, block_steps: int = 64) -> torch.Tensor:
+    """The rotation angles [B, S, H, RD] fp32 (contiguous) from Angles [B, S, H, RD] and DT
+    [B, H, S], both fp32 of any strides: (sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi."""
+    B, S, H, RD = angles_raw.shape
+    _check_steps("angles_raw", angles_raw, (B, S, H, RD))
+    _check_steps("dt", dt, (B, H, S))
+    out = torch.empty(B, S, H, RD, device=angles_raw.device, dtype=torch.float32)
+    _angle_launch(angles_raw, dt, out, out, angles_raw, dt, block_steps, False)
+    return out
+
+
+def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: torch.Tensor,
+                       block_steps: int = 64):
+    """(d Angles [B, S, H, RD], the angles' share of d DT [B, H, S]), both fp32, from the
+    gradient d_angles [B, S, H, RD] of angle_sum's output and its inputs."""
+    B, S, H, RD = angles_raw.shape
+    _check_steps("d_angles", d_angles, (B, S, H, RD))
+    _check_steps("angles_raw", angles_raw, (B, S, H, RD))
+    _check_steps("dt", dt, (B, H, S))
+    d_angles = d_angles.contiguous()
+    d_raw = torch.empty(B, S, H, RD, device=angles_raw.device, dtype=torch.float32)
+    d_dt = torch.empty(B, H, S, device=angles_raw.device, dtype=torch.float32)
+    # the kernel reads angles_raw and writes d_raw with one set of strides, dt and d_dt too
+    _angle_launch(angles_raw.contiguous(), dt.contiguous(), d_angles, d_angles, d_raw, d_dt,
+                  block_steps, True)
+    return d_raw, d_dt
+
+
+def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, block_steps: int,
+                  reverse: bool) -> None:
+    B, S, H, RD = angles_raw.shape
+    ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
+    assert ao[3] == 1, "the angles' output is contiguous in RD"
+    with on_device(angles_raw.device):
+        angle_sum_kernel[(B * H,)](
+            angles_raw=angles_raw, dt=dt, angles=angles, d_angles=d_angles, d_angles_raw=d_raw,
+            d_dt=d_dt, S=S, H=H, RD=RD, sab=ar[0], sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0],
+            sdh=ds[1], sds=ds[2], sob=ao[0], sos=ao[1], soh=ao[2], BS=block_steps,
+            BR=next_pow2(RD), TWO_PI=TWO_PI, REVERSE=reverse)
+
+
+def decay_pieces(adt: torch.Tensor, chunk_size: int):
+    """(da_cs [B, H, S], da_cs_rev [B, H, S], segsum [B, H, ceil(S / C), C, C]), fp32 and
+    contiguous, from ADT [B, H, S] fp32 of any strides and C = chunk_size <= MAX_CHUNK: the
+    chunked pieces of A = running sum of ADT that bwd_fwd's kernels read (SPEC section 2)."""
+    B, H, S = adt.shape
+    _check_steps("adt", adt, (B, H, S))
+    if not 1 <= chunk_size <= MAX_CHUNK:
+        raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK}, got {chunk_size}")
+    nc = cdiv(S, chunk_size)
+    dev = adt.device
+    da_cs = torch.empty(B, H, S, device=dev, dtype=torch.float32)
+    da_cs_rev = torch.empty(B, H, S, device=dev, dtype=torch.float32)
+    segsum = torch.empty(B, H, nc, chunk_size, chunk_size, device=dev, dtype=torch.float32)
+    st = adt.stride()
+    with on_device(dev):
+        decay_pieces_kernel[(B * H * nc,)](
+            adt=adt, da_cs=da_cs, da_cs_rev=da_cs_rev, segsum=segsum, S=S, n_bh=B * H, nc=nc,
+            C=chunk_size, sab=st[0], sah=st[1], sas=st[2], H=H, CP=next_pow2(chunk_size))
+    return da_cs, da_cs_rev, segsum
