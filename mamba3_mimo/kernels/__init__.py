@@ -1,6 +1,7 @@
 """The production Triton kernels by family, each module a kernel and its typed launch wrapper:
 `step_terms` (per-step terms and rotary tables), `chunk_state` (the state pass), `chunk_output`
-(outputs and partial sums), `preprocess` (the whole operator's angles and decay pieces);
+(outputs and partial sums), `preprocess` (the whole operator's angles and decay pieces),
+`chunk_grads` (phase 2 of the backward: the gradients of raw_y);
 `common` holds the shared @triton.jit math. Here: the host-side
 integer helpers of their wrappers."""
 

@@ -1,0 +1,116 @@
+"""Phase 2's first form (kernels/chunk_grads.py): the gradients of raw_y against float64 autograd
+through the reference's chunked forward, on small odd shapes (GQA, R = 3, N = 12, P = 10, S not
+a multiple of C, D on and off, a final-state gradient). Inputs are padded to whole chunks as
+bwd_fwd pads them; the states entering each chunk come from bwd_fwd itself."""
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from mamba3_mimo import configs, reference
+from mamba3_mimo.inputs import Shape, make_inputs
+from mamba3_mimo.kernels import chunk_grads, step_terms
+from mamba3_mimo.phases import bwd_fwd
+from mamba3_mimo.problem import Problem
+from mamba3_mimo.runtime.plans import placeholder
+from mamba3_mimo.testing import THRESHOLDS, rel_rms
+
+F64 = torch.float64
+
+
+def _case(shape: Shape, d_skip: bool, seed: int):
+    a = make_inputs(shape, torch.float32, z_gate=False, d_skip=d_skip, device=DEVICE, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    B, S, H, R, P = shape.B, shape.S, shape.H, shape.R, shape.P
+    dy = torch.randn(B, S, H, R, P, generator=gen).to(DEVICE)  # d raw_y, as chunked_forward's
+    d_final = torch.randn(B, H, shape.N, P, generator=gen).to(DEVICE)
+    return a, dy, d_final
+
+
+def _golden(a, dy, d_final, shape):
+    """Autograd of raw_y . dy + final_state . d_final in float64 through the reference, with
+    da_cs, da_cs_rev and segsum built from ADT (reference.decay_pieces) and the final state as
+    reference._chunked_scan defines it."""
+    names = ("q", "k", "v", "q_bias", "k_bias", "mimo_v", "angles", "dt", "trap", "adt", "d")
+    x = {n: (a[n].detach().cpu().to(F64).requires_grad_(True) if a.get(n) is not None else None)
+         for n in names}
+    da_cs, da_cs_rev, segsum = reference.decay_pieces(x["adt"], shape.C)
+    raw_y, _, _ = reference.chunked_forward(x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"],
+                                            x["mimo_v"], x["angles"], da_cs, da_cs_rev, x["dt"],
+                                            x["trap"], segsum, x["d"], shape.C, F64)
+    _, _, _, kr, psi_v, _, trap_scale = reference._prepare(
+        x["q"], x["k"], x["v"], x["q_bias"], x["k_bias"], x["mimo_v"], x["angles"], x["dt"],
+        x["trap"], F64)
+    A = x["adt"].cumsum(-1)
+    final = torch.einsum("bsrhn,bhs,bsrhp->bhnp", kr, (A[..., -1:] - A).exp() * trap_scale, psi_v)
+    loss = (raw_y * dy.cpu().to(F64)).sum() + (final * d_final.cpu().to(F64)).sum()
+    loss.backward()
+    return {n: t.grad for n, t in x.items() if t is not None}
+
+
+def _ours(a, dy, d_final, shape, d_skip):
+    """The kernels' gradients, reduced to the inputs' with plain tensor ops (the operator's
+    first form does the same)."""
+    pb = Problem(B=shape.B, S=shape.S, H=shape.H, G=shape.G, N=shape.N, P=shape.P, R=shape.R,
+                 C=shape.C, rotary_dim_divisor=shape.rotary_dim_divisor, dtype=torch.float32,
+                 has_z=False, has_d=d_skip, output_dtype=torch.float32,
+                 device=torch.device(DEVICE))
+    args = {n: a.get(n) for n in bwd_fwd.ARG_NAMES}
+    args["dout"] = torch.zeros_like(a["v"])
+    args["mimo_o"] = a["mimo_o"]
+    states = bwd_fwd.mamba3_mimo_bwd_fwd(**args, chunk_size=shape.C,
+                                         rotary_dim_divisor=shape.rotary_dim_divisor)[0]
+    padded = bwd_fwd.pad_tail(args, shape.C)
+    m = dataclasses.replace(configs.constants(pb), U=1)
+    numel, views = step_terms.table_views(m)
+    buf = torch.empty(numel, device=DEVICE, dtype=torch.float32)
+    t = {name: buf.as_strided(size, stride, off) for name, size, stride, off in views}
+    step_terms.launch(angles=padded["angles"], da_cs=padded["da_cs"],
+                      da_cs_rev=padded["da_cs_rev"], dt=padded["dt"], trap=padded["trap"],
+                      consts=m, **t).run()
+    S, S_pad = shape.S, m.S_pad
+    dy_pad = torch.zeros(shape.B, S_pad, shape.R, shape.H, shape.P, device=DEVICE)
+    dy_pad[:, :S] = dy.transpose(2, 3)
+    g = chunk_grads.raw_y_grads(
+        q=padded["q"], k=padded["k"], v=padded["v"], q_bias=a["q_bias"], k_bias=a["k_bias"],
+        mimo_v=a["mimo_v"], d=a["d"] if d_skip else placeholder(torch.device(DEVICE)),
+        da_cs=padded["da_cs"], da_cs_rev=padded["da_cs_rev"], segsum=padded["segsum"],
+        dy=dy_pad, states=states.float().contiguous(), d_final_state=d_final, consts=m,
+        precision=m.PREC, **t)
+    B, H, G, R = shape.B, shape.H, shape.G, shape.R
+    dqb, dkb, dpsiv = g["dqb"][:, :S], g["dkb"][:, :S], g["dpsiv"][:, :S]
+    v = a["v"].float()
+    gamma_sig = torch.sigmoid(a["trap"].float())
+    dts = g["d_trap_scale"][..., :S]
+    dgam = g["d_gamma"][..., :S] + dts  # trap_scale = gamma + the next step's term
+    prev = torch.nn.functional.pad(dts[..., :-1], (1, 0))  # trap_scale[t-1]'s share in step t
+    dt = a["dt"]
+    out = dict(
+        q=dqb.reshape(B, S, R, G, H // G, -1).sum(4), k=dkb.reshape(B, S, R, G, H // G, -1).sum(4),
+        q_bias=dqb.sum((0, 1)).transpose(0, 1), k_bias=dkb.sum((0, 1)).transpose(0, 1),
+        v=(dpsiv * a["mimo_v"].transpose(0, 1)).sum(2),
+        mimo_v=(dpsiv * v[:, :, None]).sum((0, 1)).transpose(0, 1),
+        angles=g["d_angles"][:, :S],
+        dt=dgam * gamma_sig + prev * torch.sigmoid(-a["trap"].float()),
+        trap=dgam * dt * gamma_sig * (1 - gamma_sig) - prev * dt * gamma_sig * (1 - gamma_sig),
+        adt=g["d_adt"][..., :S])
+    if d_skip:
+        out["d"] = (dy.transpose(2, 3) * v[:, :, None] * a["mimo_v"].transpose(0, 1)).sum(
+            (0, 1, 2, 4))
+    return out
+
+
+@pytest.mark.parametrize("shape,d_skip", [
+    (Shape(2, 13, 4, 2, 12, 10, 3, 4, rotary_dim_divisor=2), True),
+    (Shape(1, 16, 2, 1, 16, 8, 2, 8), False),
+    (Shape(2, 7, 2, 2, 8, 24, 1, 3, rotary_dim_divisor=4), True),
+], ids=lambda x: x.name if isinstance(x, Shape) else ("D" if x else "noD"))
+def test_raw_y_grads(shape, d_skip):
+    """Every gradient within the fp32 threshold of float64 autograd."""
+    a, dy, d_final = _case(shape, d_skip, seed=3)
+    want = _golden(a, dy, d_final, shape)
+    got = _ours(a, dy, d_final, shape, d_skip)
+    errors = {n: rel_rms(got[n].cpu(), want[n]) for n in got}
+    bad = {n: e for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
+    assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
