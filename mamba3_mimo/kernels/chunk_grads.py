@@ -25,42 +25,9 @@ import triton.language as tl
 
 from ..runtime.device import on_device
 from . import next_pow2
-from .common import chunk_rows, dot, load_cos_sin, load_mimo_v, load_pair_columns, psi_v_rows
-from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
-
-
-@triton.jit
-def _rows_of_steps(x, RP: tl.constexpr):
-    """[TP, TP] per pair of steps -> [TP * RP, TP * RP] per pair of rows."""
-    TP: tl.constexpr = x.shape[0]
-    x = tl.broadcast_to(x[:, None, :, None], (TP, RP, TP, RP))
-    return tl.reshape(x, (TP * RP, TP * RP))
-
-
-@triton.jit
-def _steps_of_rows(x, RP: tl.constexpr):
-    """[TP * RP, TP * RP] per pair of rows -> [TP, TP], summed over the ranks."""
-    TPR: tl.constexpr = x.shape[0]
-    TP: tl.constexpr = TPR // RP
-    return tl.sum(tl.sum(tl.reshape(x, (TP, RP, TP, RP)), axis=3), axis=1)
-
-
-@triton.jit
-def _step_sums(x, RP: tl.constexpr):
-    """[TP * RP] per row -> [TP] per step, summed over the ranks."""
-    TPR: tl.constexpr = x.shape[0]
-    return tl.sum(tl.reshape(x, (TPR // RP, RP)), axis=1)
-
-
-@triton.jit
-def _rotated_rows(x_ptr, row_off, rows, bias_ptr, bias_off, cos, sin, HALF, stride_n,
-                  BJ: tl.constexpr):
-    """(x + bias) rotated, as pair halves [rows, BJ] each, all pairs in one block."""
-    x1, x2 = load_pair_columns(x_ptr, row_off, rows, 0, BJ, HALF, stride_n)
-    b1, b2 = load_pair_columns(bias_ptr, bias_off, rows, 0, BJ, HALF, 1)
-    x1 = x1.to(tl.float32) + b1
-    x2 = x2.to(tl.float32) + b2
-    return cos * x1 - sin * x2, sin * x1 + cos * x2
+from .common import chunk_rows, dot, load_cos_sin
+from .step_terms import Q_DECAY
+from .whole_chunk import chunk_operands, rotated_rows, rows_of_steps, step_sums, steps_of_rows
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb"])
@@ -93,7 +60,7 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, S_pad, n_b
         s0 = tl.cast(c, tl.int64) * C
         cs, sn = load_cos_sin(cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, rows, 0, BJ,
                               RD)
-        q1, q2 = _rotated_rows(q_h + s0 * sqs, t * sqs + r * sqr, rows, q_bias, bias_off, cs, sn,
+        q1, q2 = rotated_rows(q_h + s0 * sqs, t * sqs + r * sqr, rows, q_bias, bias_off, cs, sn,
                                HALF, sqn, BJ)
         w = tl.load(terms + Q_DECAY * plane + row + s0 + t, mask=rows, other=0.0)
         d_y = tl.load(dy + (((b * S_pad + s0 + t) * R + r) * H + h)[:, None] * P + p[None, :],
@@ -123,40 +90,18 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
     HALF = N // 2
     s0 = c * C
     row = bh * S_pad + s0  # the chunk's first step in the [B*H, S_pad] planes
-    t, r = chunk_rows(TP, RP)
-    rows = (t < C) & (r < R)
-    ts = tl.arange(0, TP)
-    steps = ts < C
-    p = tl.arange(0, PP)
-    pm = p < P
+    (t, r, rows, ts, steps, p, pm, cs, sn, q1, q2, k1, k2, psiv, gamma, trap_scale, k_decay,
+     q_decay, e, w) = chunk_operands(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum,
+                                     bh, c, S_pad, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs,
+                                     sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
+                                     TP, RP, BJ, PP)
     j = tl.arange(0, BJ)
-    # inputs of the chunk's rows
-    cs, sn = load_cos_sin(cos + row * RD, sin + row * RD, t * RD, rows, 0, BJ, RD)
-    bias_off = (h * R + r) * N
-    g = h // HG
-    q1, q2 = _rotated_rows(q + b * sqb + g * sqg + s0 * sqs, t * sqs + r * sqr, rows, q_bias,
-                           bias_off, cs, sn, HALF, sqn, BJ)
-    k1, k2 = _rotated_rows(k + b * skb + g * skg + s0 * sks, t * sks + r * skr, rows, k_bias,
-                           bias_off, cs, sn, HALF, skn, BJ)
-    xv = tl.load(v + b * svb + h * svh + s0 * svs + ts[:, None] * svs + p[None, :] * svp,
-                 mask=steps[:, None] & pm[None, :], other=0.0)
-    psiv = psi_v_rows(xv, load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP))
     rp_ok = rows[:, None] & pm[None, :]
     y_off = (((b * S_pad + s0 + t) * R + r) * H + h)[:, None] * P + p[None, :]
     d_y = tl.load(dy + y_off, mask=rp_ok, other=0.0)
-    gamma = tl.load(terms + GAMMA * plane + row + ts, mask=steps, other=0.0)
-    trap_scale = tl.load(terms + TRAP_SCALE * plane + row + ts, mask=steps, other=0.0)
-    k_decay = tl.load(terms + K_DECAY * plane + row + t, mask=rows, other=0.0)
-    q_decay = tl.load(terms + Q_DECAY * plane + row + t, mask=rows, other=0.0)
     rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
-    # the causal weights per pair of steps: E = exp(segsum) before the diagonal
-    before = (ts[None, :] < ts[:, None]) & steps[:, None] & steps[None, :]
-    seg = tl.load(segsum + (bh * nc + c) * C * C + ts[:, None] * C + ts[None, :], mask=before,
-                  other=0.0)
-    e = tl.where(before, tl.exp(seg), 0.0)
     diag = (ts[None, :] == ts[:, None]) & steps[:, None]
-    w = e * trap_scale[None, :] + tl.where(diag, gamma[:, None], 0.0)
-    w_rows = _rows_of_steps(w, RP)
+    w_rows = rows_of_steps(w, RP)
     # the states entering the chunk and the gradient of the one leaving it, in pair halves
     jm = (j < HALF)[:, None] & pm[None, :]
     st_off = j[:, None] * P + p[None, :]
@@ -183,12 +128,12 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
     if HAS_D:
         dpv += tl.load(d + h) * d_y
     # per-step gradients: gamma, trap_scale and the decay pieces
-    sdp = _steps_of_rows(sc * dp, RP)
+    sdp = steps_of_rows(sc * dp, RP)
     d_gam = tl.sum(tl.where(diag, sdp, 0.0), axis=1)
-    inter_k = _step_sums(tl.sum(k1 * pk1 + k2 * pk2, axis=1), RP)  # kr . dstates psi_v
+    inter_k = step_sums(tl.sum(k1 * pk1 + k2 * pk2, axis=1), RP)  # kr . dstates psi_v
     d_ts = tl.sum(e * sdp, axis=0) + tl.exp(rev) * inter_k
     d_rev = trap_scale * tl.exp(rev) * inter_k
-    d_cs = _step_sums(tl.sum(q1 * dq_inter1 + q2 * dq_inter2, axis=1), RP)
+    d_cs = step_sums(tl.sum(q1 * dq_inter1 + q2 * dq_inter2, axis=1), RP)
     # the state recurrence's decay of the entering state over the chunk, exp(da_cs[end])
     end_decay = tl.exp(tl.load(da_cs + row + C - 1))
     carried = tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0) * end_decay

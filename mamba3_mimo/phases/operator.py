@@ -1,0 +1,324 @@
+"""The whole differentiable operator `mamba3_mimo(...)` (SPEC section 6), upstream's signature: the
+argument checks, the call's preparation (the preprocessing, step_terms' tables and the state
+pass), and one autograd Function whose forward writes the output (chunk_forward) and whose
+backward recomputes the states, runs the output stage's gradient (chunk_forward with GRAD) and
+phase 2 (chunk_grads), then reduces the gradients to the inputs.
+
+First form: whole-chunk kernels (not yet tuned) and the tail padded by host-side copies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from .. import configs
+from ..kernels import cdiv, chunk_forward, chunk_grads, chunk_state, preprocess, step_terms
+from ..problem import Problem
+from ..runtime import resources
+from ..runtime.device import check_device, on_device
+from ..runtime.plans import placeholder
+from .bwd_fwd import INPUT_DTYPES, check_tensor
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+             chunk_size, rotary_dim_divisor, dtype, cu_seqlens, fuse_norm, norm_weight
+             ) -> Problem:
+    """The Problem of a call, or TypeError / ValueError naming the first bad argument;
+    NotImplementedError for cu_seqlens (packed sequences) and an unsupported device."""
+    if cu_seqlens is not None:
+        raise NotImplementedError("cu_seqlens (packed sequences) is not supported yet")
+    if not isinstance(Q, Tensor) or Q.dim() != 5:
+        raise ValueError("Q must be a 5-dim tensor [B, S, R, G, N]"
+                         + (f", got shape {list(Q.shape)}" if isinstance(Q, Tensor) else ""))
+    if Q.dtype not in INPUT_DTYPES:
+        raise TypeError(f"Q must be float16, bfloat16 or float32, got {Q.dtype}")
+    if dtype is not None and dtype != Q.dtype:
+        raise TypeError(f"dtype is {dtype} but Q is {Q.dtype}")
+    B, S, R, G, N = Q.shape
+    if min(B, S, R, G, N) < 1:
+        raise ValueError(f"Q: every dimension must be >= 1, got shape {list(Q.shape)}")
+    if not isinstance(V, Tensor) or V.dim() != 4:
+        raise ValueError("V must be a 4-dim tensor [B, S, H, P]"
+                         + (f", got shape {list(V.shape)}" if isinstance(V, Tensor) else ""))
+    H, P = V.shape[2], V.shape[3]
+    if H < 1 or P < 1 or H % G != 0:
+        raise ValueError(f"V: H = {H} must be a positive multiple of G = {G} (Q.shape[3]), "
+                         f"P = {P} positive")
+    if N % 2:
+        raise ValueError(f"N (Q.shape[4] = {N}) must be even")
+    for name, val in (("chunk_size", chunk_size), ("rotary_dim_divisor", rotary_dim_divisor)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    RD = N // rotary_dim_divisor
+    if RD < 1 or 2 * RD > N:
+        raise ValueError(f"rotary_dim_divisor = {rotary_dim_divisor} gives RD = {RD}; expected "
+                         f"1 <= N // rotary_dim_divisor <= N / 2 = {N // 2}")
+    if (MIMO_Z is None) != (Z is None):
+        raise ValueError("MIMO_Z and Z must be given together or both be None")
+    if fuse_norm and (MIMO_Out is None or Z is None):
+        raise ValueError("fuse_pregate_headwise_rms_norm needs MIMO_Out, Z and MIMO_Z")
+    if norm_weight is not None and not fuse_norm:
+        raise ValueError("outproj_norm_weight is only used with fuse_pregate_headwise_rms_norm")
+    dev, x16, f32 = Q.device, (Q.dtype,), (torch.float32,)
+    seq, hs, hrp = (B, S, H, P), (B, H, S), (H, R, P)
+    checks = [("K", K, (B, S, R, G, N), x16), ("V", V, seq, x16), ("ADT", ADT, hs, f32),
+              ("DT", DT, hs, f32), ("Trap", Trap, hs, (torch.float32, Q.dtype)),
+              ("Q_bias", Q_bias, (H, R, N), f32), ("K_bias", K_bias, (H, R, N), f32),
+              ("MIMO_V", MIMO_V, hrp, f32), ("Angles", Angles, (B, S, H, RD), f32)]
+    if Z is not None:
+        checks += [("MIMO_Z", MIMO_Z, hrp, f32), ("Z", Z, seq, x16)]
+    if MIMO_Out is not None:
+        checks.append(("MIMO_Out", MIMO_Out, hrp, f32))
+    if D is not None:
+        checks.append(("D", D, (H,), f32))
+    if norm_weight is not None:
+        shape = (H * P,) if norm_weight.dim() == 1 else (H, P)
+        checks.append(("outproj_norm_weight", norm_weight, shape, f32))
+    for name, x, shape, dtypes in checks:
+        check_tensor(name, x, shape, dtypes, dev)
+    check_device(dev)
+    return Problem(B=B, S=S, H=H, G=G, N=N, P=P, R=R, C=chunk_size,
+                   rotary_dim_divisor=rotary_dim_divisor, dtype=Q.dtype, has_z=Z is not None,
+                   has_d=D is not None, output_dtype=torch.float32, device=dev)
+
+
+# ---------------------------------------------------------------------------- the call
+
+def _pad_steps(x: Optional[Tensor], dim: int, S_pad: int) -> Optional[Tensor]:
+    """x with zeros appended along dim up to S_pad steps (x itself when it has them)."""
+    if x is None or x.shape[dim] == S_pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = S_pad - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def kernel_chunk(pb: Problem) -> int:
+    """The chunk length the kernels run: the model's chunk_size (at most S), split to whole
+    kernel tiles (configs.kernel_chunk_size); the outputs do not depend on it."""
+    return configs.kernel_chunk_size(min(pb.C, pb.S), pb.R)
+
+
+def prepare(pb: Problem, x: dict) -> dict:
+    """The kernels' view of a call: the sequence inputs padded to whole chunks, the rotation
+    angles and decay pieces (preprocess), step_terms' tables and the fp32 states entering each
+    chunk (the state pass), with the kernels' constants `m` (U = 1)."""
+    C = kernel_chunk(pb)
+    kpb = dataclasses.replace(pb, C=C)
+    m = dataclasses.replace(configs.constants(kpb), U=1)
+    S_pad = m.S_pad
+    a = {name: _pad_steps(x[name], 1, S_pad) for name in ("Q", "K", "V", "Z")}
+    for name in ("DT", "Trap", "ADT"):
+        a[name] = _pad_steps(x[name], 2, S_pad)
+    angles = _pad_steps(preprocess.angle_sum(x["Angles"], x["DT"]), 1, S_pad)
+    # ADT zero-padded: past S, da_cs keeps its last value and nothing decays
+    a["da_cs"], a["da_cs_rev"], a["segsum"] = preprocess.decay_pieces(a["ADT"], C)
+    numel, views = step_terms.table_views(m)
+    buf = torch.empty(numel, device=pb.device, dtype=torch.float32)
+    tables = {name: buf.as_strided(size, stride, off) for name, size, stride, off in views}
+    small = {name: x[name].contiguous() for name in ("Q_bias", "K_bias", "MIMO_V")}
+    states = torch.empty(pb.B, pb.H, m.nc, pb.N, pb.P, device=pb.device, dtype=torch.float32)
+    state_args = dict(k=a["K"], v=a["V"], k_bias=small["K_bias"], mimo_v=small["MIMO_V"],
+                      da_cs=a["da_cs"], **tables, states=states, inc=states, consts=m)
+    cfg = resources.choose(("operator_state", kpb.N, kpb.P, kpb.R, C, kpb.RD, pb.dtype),
+                           configs.state_candidates(kpb),
+                           lambda cfg: chunk_state.launches(**state_args, cfg=cfg)[0], pb.device)
+    with on_device(pb.device):
+        step_terms.launch(angles=angles, da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
+                          dt=a["DT"], trap=a["Trap"], consts=m, **tables).run()
+        for launch in chunk_state.launches(**state_args, cfg=cfg):
+            launch.run()
+    return dict(a, **tables, **small, angles=angles, states=states, m=m)
+
+
+def _output_args(pb: Problem, x: dict, c: dict) -> dict:
+    """chunk_forward's inputs of a prepared call, stand-ins for the absent ones."""
+    stand = placeholder(pb.device)
+    norm_w = x["norm_weight"]
+    if x["fuse_norm"]:
+        norm_w = (torch.ones(pb.H * pb.P, device=pb.device, dtype=torch.float32)
+                  if norm_w is None else norm_w.reshape(pb.H * pb.P).contiguous())
+    opt = lambda name: stand if x[name] is None else x[name].contiguous()  # noqa: E731
+    return dict(q=c["Q"], k=c["K"], v=c["V"], z=stand if c["Z"] is None else c["Z"],
+                q_bias=c["Q_bias"], k_bias=c["K_bias"], mimo_v=c["MIMO_V"],
+                mimo_o=opt("MIMO_Out"), mimo_z=opt("MIMO_Z"), d=opt("D"),
+                norm_w=stand if norm_w is None else norm_w, terms=c["terms"], cos=c["cos"],
+                sin=c["sin"], da_cs=c["da_cs"], segsum=c["segsum"], states=c["states"],
+                eps=x["eps"], has_z=pb.has_z, has_d=pb.has_d, has_out=x["MIMO_Out"] is not None,
+                norm=x["fuse_norm"], consts=c["m"])
+
+
+def _final_k(pb: Problem, x: dict, angle: Tensor) -> Tensor:
+    """kr of the last step [B, R, H, N] fp32: K + K_bias of each value head, rotated."""
+    HG = pb.H // pb.G
+    kb = x["K"][:, -1].float().repeat_interleave(HG, dim=2) + x["K_bias"].transpose(0, 1)
+    half, RD = pb.N // 2, angle.shape[-1]
+    cos, sin = torch.cos(angle)[:, None], torch.sin(angle)[:, None]  # [B, 1, H, RD]
+    out = kb.clone()
+    x1, x2 = kb[..., :RD], kb[..., half:half + RD]
+    out[..., :RD] = cos * x1 - sin * x2
+    out[..., half:half + RD] = sin * x1 + cos * x2
+    return out
+
+
+class Mamba3Mimo(torch.autograd.Function):
+    """out (and the final states) from the raw inputs; the backward recomputes what it needs
+    from the inputs, which is all that is saved."""
+
+    @staticmethod
+    def forward(ctx, pb: Problem, opts: dict, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
+                MIMO_Z, MIMO_Out, Angles, D, Z, norm_weight):
+        x = dict(opts, Q=Q, K=K, V=V, ADT=ADT, DT=DT, Trap=Trap, Q_bias=Q_bias, K_bias=K_bias,
+                 MIMO_V=MIMO_V, MIMO_Z=MIMO_Z, MIMO_Out=MIMO_Out, Angles=Angles, D=D, Z=Z,
+                 norm_weight=norm_weight)
+        c = prepare(pb, x)
+        m = c["m"]
+        dev, stand = pb.device, placeholder(pb.device)
+        ranks = () if MIMO_Out is not None else (pb.R,)
+        out = torch.empty(pb.B, m.S_pad, *ranks, pb.H, pb.P, device=dev, dtype=Q.dtype)
+        final_state = torch.empty(pb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
+        chunk_forward.launch(**_output_args(pb, x, c), dout=stand, out=out, dy=stand, dz=stand,
+                             part_o=stand, part_z=stand, part_w=stand, final_state=final_state,
+                             grad=False)
+        ctx.pb, ctx.opts = pb, opts
+        ctx.save_for_backward(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out,
+                              Angles, D, Z, norm_weight)
+        out = out[:, :pb.S]
+        if not opts["return_state"]:
+            return out
+        angle = c["angles"][:, pb.S - 1]  # [B, H, RD]
+        final_k = _final_k(pb, x, angle)
+        final_v = V[:, -1].clone()
+        return out, angle.clone(), final_state, final_k, final_v
+
+    @staticmethod
+    def backward(ctx, d_out, *d_states):
+        pb, opts = ctx.pb, ctx.opts
+        (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+         norm_weight) = ctx.saved_tensors
+        x = dict(opts, Q=Q, K=K, V=V, ADT=ADT, DT=DT, Trap=Trap, Q_bias=Q_bias, K_bias=K_bias,
+                 MIMO_V=MIMO_V, MIMO_Z=MIMO_Z, MIMO_Out=MIMO_Out, Angles=Angles, D=D, Z=Z,
+                 norm_weight=norm_weight)
+        with on_device(pb.device):
+            return (None, None) + _backward(pb, x, d_out, d_states)
+
+
+def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
+    """The gradients of the fifteen tensor inputs (None for an absent one)."""
+    c = prepare(pb, x)
+    m = c["m"]
+    B, S, H, G, N, P, R = pb.B, pb.S, pb.H, pb.G, pb.N, pb.P, pb.R
+    S_pad, nc, dev = m.S_pad, m.nc, pb.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    stand = placeholder(dev)
+    d_angle0, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
+    dout = _pad_steps(d_out.contiguous(), 1, S_pad)
+    dy = torch.empty(B, S_pad, R, H, P, **f32)
+    dz = torch.empty(B, S_pad, H, P, **f32) if pb.has_z else stand
+    part_o = torch.empty(B * H, nc, R, P, **f32) if x["MIMO_Out"] is not None else stand
+    part_z = torch.empty(B * H, nc, R, P, **f32) if pb.has_z else stand
+    part_w = torch.empty(B * H, nc, P, **f32) if x["fuse_norm"] else stand
+    chunk_forward.launch(**_output_args(pb, x, c), dout=dout, out=stand, dy=dy, dz=dz,
+                         part_o=part_o, part_z=part_z, part_w=part_w, final_state=stand,
+                         grad=True)
+    g = chunk_grads.raw_y_grads(
+        q=c["Q"], k=c["K"], v=c["V"], q_bias=c["Q_bias"], k_bias=c["K_bias"],
+        mimo_v=c["MIMO_V"], d=stand if x["D"] is None else x["D"].contiguous(),
+        terms=c["terms"], cos=c["cos"], sin=c["sin"], da_cs=c["da_cs"],
+        da_cs_rev=c["da_cs_rev"], segsum=c["segsum"], dy=dy, states=c["states"],
+        d_final_state=None if d_state is None else d_state.transpose(-1, -2), consts=m,
+        precision=m.PREC)
+    HG = H // G
+    dqb, dkb, dpsiv = g["dqb"][:, :S], g["dkb"][:, :S], g["dpsiv"][:, :S]
+    d_angles = g["d_angles"][:, :S]
+    if d_k is not None:
+        # final_k = rot(K + K_bias)[S - 1]: its gradient rotated back, and the angle's share
+        angle = c["angles"][:, S - 1]
+        kr = _final_k(pb, x, angle)
+        RD, half = angle.shape[-1], N // 2
+        cos, sin = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+        g1, g2 = d_k[..., :RD].float(), d_k[..., half:half + RD].float()
+        back = d_k.float().clone()
+        back[..., :RD] = cos * g1 + sin * g2
+        back[..., half:half + RD] = cos * g2 - sin * g1
+        dkb = dkb.clone()
+        dkb[:, S - 1] += back
+        d_angles = d_angles.clone()
+        d_angles[:, S - 1] += (g2 * kr[..., :RD] - g1 * kr[..., half:half + RD]).sum(1)
+    if d_angle0 is not None:
+        d_angles = d_angles.clone() if d_k is None else d_angles
+        d_angles[:, S - 1] += d_angle0
+    d_raw_angles, d_dt_angles = preprocess.angle_sum_backward(d_angles.contiguous(),
+                                                              x["Angles"], x["DT"])
+    trap = x["Trap"].float()
+    sig = torch.sigmoid(trap)
+    d_ts = g["d_trap_scale"][..., :S]
+    d_gamma = g["d_gamma"][..., :S] + d_ts  # trap_scale[t] = gamma[t] + dt[t+1] sigmoid(-trap[t+1])
+    d_shift = torch.nn.functional.pad(d_ts[..., :-1], (1, 0))  # step t's term in trap_scale[t-1]
+    DT = x["DT"]
+    d_dt = d_gamma * sig + d_shift * (1 - sig) + d_dt_angles
+    d_trap = (d_gamma - d_shift) * DT * sig * (1 - sig)
+    v = x["V"].float()
+    psi = x["MIMO_V"].transpose(0, 1)  # [R, H, P]
+    dV = (dpsiv * psi).sum(2)
+    if d_v is not None:
+        dV[:, S - 1] += d_v
+    grads = dict(
+        Q=dqb.reshape(B, S, R, G, HG, N).sum(4), K=dkb.reshape(B, S, R, G, HG, N).sum(4),
+        V=dV, ADT=g["d_adt"][..., :S], DT=d_dt, Trap=d_trap,
+        Q_bias=dqb.sum((0, 1)).transpose(0, 1), K_bias=dkb.sum((0, 1)).transpose(0, 1),
+        MIMO_V=(dpsiv * v[:, :, None]).sum((0, 1)).transpose(0, 1),
+        Angles=d_raw_angles)
+    if pb.has_z:
+        grads["Z"] = dz[:, :S]
+        grads["MIMO_Z"] = part_z.view(B, H, nc, R, P).sum((0, 2))
+    if x["MIMO_Out"] is not None:
+        grads["MIMO_Out"] = part_o.view(B, H, nc, R, P).sum((0, 2))
+    if pb.has_d:
+        grads["D"] = (dy[:, :S] * psi * v[:, :, None]).sum((0, 1, 2, 4))
+    if x["fuse_norm"] and x["norm_weight"] is not None:
+        grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
+            x["norm_weight"].shape)
+    names = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V", "MIMO_Z",
+             "MIMO_Out", "Angles", "D", "Z", "norm_weight")
+    out = []
+    for name in names:
+        t = x[name]
+        out.append(None if t is None or name not in grads else grads[name].to(t.dtype))
+    return tuple(out)
+
+
+def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
+                Q_bias: Tensor, K_bias: Tensor, MIMO_V: Tensor, MIMO_Z: Optional[Tensor],
+                MIMO_Out: Optional[Tensor], Angles: Tensor, D: Optional[Tensor],
+                Z: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
+                dtype: torch.dtype, return_state: bool = False,
+                cu_seqlens: Optional[Tensor] = None,
+                fuse_pregate_headwise_rms_norm: bool = False,
+                outproj_norm_weight: Optional[Tensor] = None,
+                outproj_norm_eps: float = 1e-5):
+    """The Mamba-3 MIMO operator (SPEC section 6), upstream's signature and argument order.
+
+    Shapes: Q, K [B, S, R, G, N]; V, Z [B, S, H, P]; ADT, DT, Trap [B, H, S]; Q_bias, K_bias
+    [H, R, N]; MIMO_V, MIMO_Z, MIMO_Out [H, R, P]; Angles [B, S, H, N // rotary_dim_divisor];
+    D [H]; outproj_norm_weight [H, P] or [H * P]. Returns out [B, S, H, P] in Q's dtype
+    ([B, S, R, H, P] without MIMO_Out), and with return_state=True also final_angle [B, H, RD],
+    final_state [B, H, P, N], final_k [B, R, H, N] (fp32) and final_v [B, H, P]; every output
+    is differentiable. Gradients come for every tensor input that requires grad, in its dtype.
+    Raises ValueError / TypeError naming a bad argument, NotImplementedError for cu_seqlens and
+    an unsupported device."""
+    pb = validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D,
+                  Z, chunk_size, rotary_dim_divisor, dtype, cu_seqlens,
+                  fuse_pregate_headwise_rms_norm, outproj_norm_weight)
+    opts = dict(return_state=bool(return_state), fuse_norm=bool(fuse_pregate_headwise_rms_norm),
+                eps=float(outproj_norm_eps))
+    with on_device(pb.device):
+        return Mamba3Mimo.apply(pb, opts, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
+                                MIMO_Z, MIMO_Out, Angles, D, Z, outproj_norm_weight)
