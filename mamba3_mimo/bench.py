@@ -333,8 +333,10 @@ def group_summary(rows: List[dict]) -> Tuple[str, List[dict]]:
     return "\n\n".join(sections), gms
 
 
-def plot(rows: List[dict], path: Path) -> None:
-    """Grouped bars per shape, log scale: stage0, auto, upstream, floor (Z on, bf16 out)."""
+def bar_plot(labels: Sequence[str], series: Sequence[Tuple[str, Sequence[float]]], title: str,
+             path: Path) -> None:
+    """Grouped bars per label, one per (name, values) series, log scale, into a PNG at path
+    (a warning and no file without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -342,6 +344,23 @@ def plot(rows: List[dict], path: Path) -> None:
     except ImportError:
         print("warning: matplotlib is not installed; no results.png", file=sys.stderr)
         return
+    fig, ax = plt.subplots(figsize=(14, 5))
+    width = 0.8 / len(series)
+    for i, (name, vals) in enumerate(series):
+        shift = (i - (len(series) - 1) / 2) * width
+        ax.bar([j + shift for j in range(len(labels))], vals, width, label=name)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_ylabel("ms (median, log scale)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(rows: List[dict], path: Path) -> None:
+    """Grouped bars per shape, log scale: stage0, auto, upstream, floor (Z on, bf16 out)."""
     sel = [r for r in rows if r["z"] and r["output_dtype"] == "bf16" and not r["control"]]
     labels = list(dict.fromkeys(r["label"] for r in sel))
     if not labels:
@@ -356,27 +375,13 @@ def plot(rows: List[dict], path: Path) -> None:
               ("production (auto)", [value(lb, "auto", "median_ms") for lb in labels]),
               ("upstream TileLang", [value(lb, "auto", "upstream_ms") for lb in labels]),
               ("HBM floor", [value(lb, "auto", "floor_ms") for lb in labels])]
-    fig, ax = plt.subplots(figsize=(14, 5))
-    width = 0.8 / len(series)
-    for i, (name, vals) in enumerate(series):
-        shift = (i - (len(series) - 1) / 2) * width
-        ax.bar([j + shift for j in range(len(labels))], vals, width, label=name)
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-    ax.set_ylabel("ms (median, log scale)")
-    ax.set_title("Mamba-3 MIMO bwd_fwd on one GPU: B=4 S=2048 H=16, bf16, Z on, D on, bf16 out")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bar_plot(labels, series, "Mamba-3 MIMO bwd_fwd on one GPU: B=4 S=2048 H=16, bf16, Z on, "
+             "D on, bf16 out", path)
 
 
 def report(rows: List[dict], meta: dict, rounds: int, out_dir: Path) -> str:
     """Write results.json, results.md and results.png into out_dir; return the markdown."""
     tables, gms = group_summary(rows)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(
-        json.dumps({"results": rows, "geomean": gms}, indent=1, default=str) + "\n")
     text = (f"# bwd_fwd benchmark\n\n{meta['date']}, {meta['gpu']}, commit {meta['git_commit']}, "
             f"torch {meta['torch']}, triton {meta['triton']}; median of {rounds} interleaved "
             f"round(s) of triton.testing.do_bench (median), ms. S=2048 H=16 G=1 (B=4; the control "
@@ -385,20 +390,41 @@ def report(rows: List[dict], meta: dict, rounds: int, out_dir: Path) -> str:
             f"auto kernels ms, for information: the device time per call of the kernels of auto "
             f"(torch.profiler, 20 calls), without the host's time between calls."
             f"\n\n{tables}\n")
-    (out_dir / "results.md").write_text(text)
-    plot(rows, out_dir / "results.png")
-    print(f"wrote results.json, results.md, results.png to {out_dir}", file=sys.stderr)
+    write_results(out_dir, rows, gms, text, plot)
     return text
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mamba3_mimo.bench",
-                                description="Benchmark bwd_fwd on the GPU (shared/BENCHMARK.md).")
+def write_results(out_dir: Path, rows: List[dict], gms: dict, text: str,
+                  plot_fn: Callable[[List[dict], Path], None]) -> None:
+    """results.json (the rows and geometric means), results.md (text) and results.png
+    (plot_fn) in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(
+        json.dumps({"results": rows, "geomean": gms}, indent=1, default=str) + "\n")
+    (out_dir / "results.md").write_text(text)
+    plot_fn(rows, out_dir / "results.png")
+    print(f"wrote results.json, results.md, results.png to {out_dir}", file=sys.stderr)
+
+
+def arg_parser(prog: str, description: str, out: str, upstream: Path) -> argparse.ArgumentParser:
+    """The options both benchmarks take: --shapes, --rounds, --rep-ms, --out, --upstream."""
+    p = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     p.add_argument("--shapes", help="keep shapes whose label contains one of these "
                    "comma-separated substrings (e.g. N128_P64,control)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--out", type=Path, default=Path("bench/results"),
-                   help="folder for results.json, results.md, results.png (default bench/results)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per case (default 3)")
+    p.add_argument("--rep-ms", type=int, default=100,
+                   help="do_bench's timing window per candidate and round, ms (default 100, "
+                        "Triton's default; 25 fits the whole grid in a few minutes)")
+    p.add_argument("--out", type=Path, default=Path(out),
+                   help=f"folder for results.json, results.md, results.png (default {out})")
+    p.add_argument("--upstream", type=Path, default=upstream,
+                   help=f"upstream's times (default: the package's data/{upstream.name})")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = arg_parser("mamba3_mimo.bench", "Benchmark bwd_fwd on the GPU (shared/BENCHMARK.md).",
+                   "bench/results", DEFAULT_UPSTREAM)
     p.add_argument("--quick", action="store_true", help="bf16 output only, Z on and off, 1 round")
     p.add_argument("--bf16-only", action="store_true",
                    help="bf16 output only (the comparison with upstream), Z on and off")
@@ -406,20 +432,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--previous", type=Path,
                    help="a checkout of an earlier commit (its mamba3_mimo package is timed "
                         "interleaved, as candidate 'previous')")
-    p.add_argument("--rep-ms", type=int, default=100,
-                   help="do_bench's timing window per candidate and round, ms (default 100, "
-                        "Triton's default; 25 fits the whole grid in a few minutes)")
-    p.add_argument("--upstream", type=Path, default=DEFAULT_UPSTREAM,
-                   help="upstream anchor JSON (default: the package's "
-                        "data/upstream_tilelang_h200.json)")
     return p.parse_args(argv)
+
+
+def require_gpu(prog: str) -> None:
+    """SystemExit unless a CUDA GPU runs compiled Triton kernels: timings come from the GPU."""
+    if not torch.cuda.is_available() or interpreter_active():
+        raise SystemExit(f"error: {prog} needs a CUDA GPU with compiled Triton kernels "
+                         "(BENCHMARK.md: time on the H200, never on the CPU interpreter)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parse_args(argv)
-    if not torch.cuda.is_available() or interpreter_active():
-        raise SystemExit("error: mamba3_mimo.bench needs a CUDA GPU with compiled Triton kernels "
-                         "(BENCHMARK.md: time on the H200, never on the CPU interpreter)")
+    require_gpu("mamba3_mimo.bench")
     rounds = 1 if opts.quick else opts.rounds
     outs = (torch.bfloat16,) if opts.quick or opts.bf16_only else (torch.bfloat16, torch.float32)
     cfgs = bench_configs(opts.shapes, outs)

@@ -1,4 +1,5 @@
-"""Random problem generator for bwd_fwd, built the way upstream's tests build inputs (BENCHMARK.md).
+"""Random problems for bwd_fwd and for the whole operator, built the way upstream's tests build
+inputs (BENCHMARK.md).
 
 Shared by the tests, the demo and the benchmark so that all three time and check the same data.
 """
@@ -55,6 +56,35 @@ def make_inputs(shape: Shape, dtype: torch.dtype = torch.bfloat16, z_gate: bool 
     )
     args["adt"] = adt
     return args
+
+
+def operator_inputs(shape: Shape, dtype: torch.dtype = torch.float64, z_gate: bool = True,
+                    d_skip: bool = True, mimo_out: bool = True, dt_shift: float = -3.0,
+                    device="cpu", seed: int = 0) -> Dict[str, object]:
+    """Keyword arguments of the whole operator `mamba3_mimo` (SPEC section 6) but the optional
+    ones: Q, K, V, Z ~ randn and Trap ~ rand in `dtype`; Q_bias, K_bias ~ randn; MIMO_V,
+    MIMO_Out ~ randn / R; MIMO_Z, D ~ randn; Angles ~ rand; DT = softplus(dt_shift + randn);
+    ADT = -DT * rand; the fp32 ones in float64 when dtype is float64 (a reference's inputs)."""
+    s = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    real = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def randn(*size, dt=real):
+        return torch.randn(*size, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
+
+    def rand(*size, dt=real):
+        return torch.rand(*size, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
+
+    B, S, H, R, P = s.B, s.S, s.H, s.R, s.P
+    DT = torch.nn.functional.softplus(dt_shift + randn(B, H, S))
+    return dict(
+        Q=randn(B, S, R, s.G, s.N, dt=dtype), K=randn(B, S, R, s.G, s.N, dt=dtype),
+        V=randn(B, S, H, P, dt=dtype), ADT=-DT * rand(B, H, S), DT=DT,
+        Trap=rand(B, H, S, dt=dtype), Q_bias=randn(H, R, s.N), K_bias=randn(H, R, s.N),
+        MIMO_V=randn(H, R, P) / R, MIMO_Z=randn(H, R, P) if z_gate else None,
+        MIMO_Out=randn(H, R, P) / R if mimo_out else None, Angles=rand(B, S, H, s.RD),
+        D=randn(H) if d_skip else None, Z=randn(B, S, H, P, dt=dtype) if z_gate else None,
+        chunk_size=s.C, rotary_dim_divisor=s.rotary_dim_divisor, dtype=dtype)
 
 
 def sweep_shapes() -> list:

@@ -142,3 +142,52 @@ def test_upstream_anchor_ships_with_the_package():
     assert bench.DEFAULT_UPSTREAM.is_file() and package in bench.DEFAULT_UPSTREAM.parents
     anchor = bench.load_upstream(bench.DEFAULT_UPSTREAM)
     assert {(s.name, z) for s in official_shapes() for z in (True, False)} <= set(anchor)
+
+
+# ---------------------------------------------------------------------------- the operator's
+
+def test_operator_anchor_and_cases():
+    """The operator benchmark's upstream figures ship with the package, one row per case it
+    runs (the grid with Z on and off, the fused norm on two shapes)."""
+    from mamba3_mimo import bench_operator as bo
+    import pathlib
+    package = pathlib.Path(bo.__file__).resolve().parent
+    assert package in bo.DEFAULT_UPSTREAM.parents
+    anchor = bo.load_upstream(bo.DEFAULT_UPSTREAM)
+    todo = bo.cases(None)
+    assert len(todo) == 2 * len(official_shapes()) + len(bo.NORM_SHAPES)
+    assert {(c["shape"].name, c["z"], c["norm"]) for c in todo} == set(anchor)
+    assert [c["shape"].name for c in bo.cases("N128_P64_R4")] == ["N128_P64_R4_C16"] * 3
+
+
+def test_operator_report(tmp_path):
+    """Ratios and geometric means of the operator benchmark's report, from rows with known
+    times: ours twice as fast as upstream everywhere gives 2.00x in every column; a shape where
+    upstream has kernel times only stays out of the means."""
+    from mamba3_mimo import bench_operator as bo
+    anchor = bo.load_upstream(bo.DEFAULT_UPSTREAM)
+    rows = []
+    for (name, z, norm), up in anchor.items():
+        row = dict(shape=name, label=name, z=z, fused_norm=norm, upstream=up, errors={},
+                   first_call_s=1.0, **{k: up[k] / 2 for k in bo.TIMES},
+                   peak_extra_mib=(up["peak_extra_mib"] or 100) / 2)
+        for key in bo.TIMES + ("peak_extra_mib",):
+            row[f"upstream_over_{key}"] = (up[key] / row[key]) if up[key] else None
+        rows.append(row)
+    meta = dict(date="2026-12-03", gpu="test", git_commit="abc", torch="x", triton="y")
+    text = bo.report(rows, meta, 1, tmp_path)
+    data = json.loads((tmp_path / "results.json").read_text())
+    for group in ("z_on", "z_off"):
+        gm = data["geomean"][group]
+        assert gm["shapes"] == len(official_shapes()) - 1  # N16: upstream's kernels only
+        for k in bo.TIMES:
+            assert gm[f"upstream_over_{k}"] == pytest.approx(2.0)
+    assert "upstream: kernels only" in text and "geometric mean (10 shapes)" in text
+
+
+def test_operator_benchmark_needs_a_gpu():
+    from mamba3_mimo import bench_operator as bo
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without a GPU")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bo.main(["--out", "/tmp/unused"])

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from mamba3_mimo.inputs import Shape, operator_inputs
 from mamba3_mimo.reference import mamba3_mimo_reference, mamba3_mimo_stepwise
 
 F64 = torch.float64
@@ -19,28 +20,9 @@ INPUT_NAMES = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V",
 
 def make_args(B=2, S=13, H=4, G=2, R=3, N=12, P=10, chunk_size=4, rotary_dim_divisor=2, z=True,
               d=True, mimo_out=True, dt_shift=-3.0, seed=0):
-    """Positional-by-name arguments of the operator, float64, built the way upstream's tests build
-    them: Q, K, V, Z ~ randn; biases ~ randn; MIMO_V, MIMO_Out ~ randn / R; MIMO_Z, D ~ randn;
-    Angles ~ rand; DT = softplus(dt_shift + randn); ADT = -DT * rand; Trap ~ rand."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*size):
-        return torch.randn(*size, generator=gen, dtype=F64)
-
-    def rand(*size):
-        return torch.rand(*size, generator=gen, dtype=F64)
-
-    RD = N // rotary_dim_divisor
-    DT = torch.nn.functional.softplus(dt_shift + randn(B, H, S))
-    args = dict(
-        Q=randn(B, S, R, G, N), K=randn(B, S, R, G, N), V=randn(B, S, H, P),
-        ADT=-DT * rand(B, H, S), DT=DT, Trap=rand(B, H, S),
-        Q_bias=randn(H, R, N), K_bias=randn(H, R, N),
-        MIMO_V=randn(H, R, P) / R, MIMO_Z=randn(H, R, P) if z else None,
-        MIMO_Out=randn(H, R, P) / R if mimo_out else None,
-        Angles=rand(B, S, H, RD), D=randn(H) if d else None, Z=randn(B, S, H, P) if z else None,
-        chunk_size=chunk_size, rotary_dim_divisor=rotary_dim_divisor, dtype=F64)
-    return args
+    """Arguments of the operator by name, float64 (inputs.operator_inputs)."""
+    return operator_inputs(Shape(B, S, H, G, N, P, R, chunk_size, rotary_dim_divisor), F64,
+                           z_gate=z, d_skip=d, mimo_out=mimo_out, dt_shift=dt_shift, seed=seed)
 
 
 def make_state(B, H, R, N, P, RD, seed=1, zero=False):
