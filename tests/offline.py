@@ -89,6 +89,45 @@ def call_launches(shape: Shape, arch: int, z_gate: bool = True,
     return launches
 
 
+def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
+                      fused_norm: bool = False) -> List[tuple]:
+    """(fn, grid, args, options) of every launch of one forward and backward of the whole
+    operator on this shape (bf16 inputs, D on), recorded on CPU tensors without launching
+    anything (the recorded calls do nothing, so the values computed are meaningless)."""
+    if interpreter_active():
+        raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing")
+    from triton.runtime.jit import JITFunction
+    from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo.phases import operator
+    from mamba3_mimo.runtime import launcher
+    recorded = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        names = self.arg_names
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k not in names}
+        values = dict(zip(names, args), **kwargs)
+        recorded.append((self, grid, tuple(values[n] for n in names), options))
+
+    args = operator_inputs(shape, torch.bfloat16, z_gate=z_gate, seed=0)
+    for x in args.values():
+        if isinstance(x, torch.Tensor):
+            x.requires_grad_(True)
+    if fused_norm:
+        args["fuse_pregate_headwise_rms_norm"] = True
+    measured = arch // 10 in configs.MEASURED_MAJORS
+    saved = (JITFunction.run, launcher.DIRECT, operator.check_device)
+    try:
+        JITFunction.run = record
+        launcher.DIRECT = False  # every launch through JITFunction.run
+        operator.check_device = lambda device: None  # CPU tensors stand for the GPU's
+        with configs.override(measured_arch=measured):
+            out = operator.mamba3_mimo(**args)
+            out.float().sum().backward()
+    finally:
+        JITFunction.run, launcher.DIRECT, operator.check_device = saved
+    return recorded
+
+
 def compile_for(fn, args: tuple, options: dict, arch: int):
     """fn compiled for compute capability `arch` with these arguments, specialised as the JIT
     specialises them: an integer equal to 1 becomes a constant (e.g. a unit stride, which
@@ -138,16 +177,22 @@ def resource_usage(kernel) -> Tuple[int, int]:
 def compiled_resources(shape: Shape, arch: int = 90, z_gate: bool = True,
                        output_dtype: torch.dtype = torch.bfloat16,
                        overrides: Optional[dict] = None, ptx_dir: Optional[str] = None,
-                       echo: bool = False) -> Dict[str, dict]:
+                       echo: bool = False, operator: bool = False,
+                       fused_norm: bool = False) -> Dict[str, dict]:
     """{kernel name: dict(registers, stack, shared, num_warps)} of one call's kernels compiled
     for compute capability `arch` (call_launches); echo prints a line per kernel as it comes."""
     res = {}
-    for fn, _, args, options in call_launches(shape, arch, z_gate, output_dtype, overrides):
+    launches = (operator_launches(shape, arch, z_gate, fused_norm) if operator
+                else call_launches(shape, arch, z_gate, output_dtype, overrides))
+    for fn, _, args, options in launches:
         kernel = compile_for(fn, args, options, arch)
         regs, stack = resource_usage(kernel)
         name = fn.__name__
         if "CAREFUL" in fn.arg_names and args[fn.arg_names.index("CAREFUL")]:
             name += ".rerun"  # chunk_output's rerun of tiles that met a non-finite value
+        for flag in ("GRAD", "REVERSE"):  # the operator's backward forms
+            if flag in fn.arg_names and args[fn.arg_names.index(flag)]:
+                name += "." + flag.lower()
         res[name] = dict(registers=regs, stack=stack, shared=kernel.metadata.shared,
                          num_warps=options.get("num_warps"))
         if ptx_dir:  # for reading load widths, layouts and conversions
@@ -171,10 +216,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--override", type=json.loads, default=None,
                    help="configs.override fields as JSON")
     p.add_argument("--json", action="store_true", help="a last line RESOURCES {json}")
+    p.add_argument("--operator", action="store_true",
+                   help="the whole operator's kernels (forward and backward) instead of bwd_fwd's")
+    p.add_argument("--norm", action="store_true", help="with --operator: the fused norm on")
     opts = p.parse_args(argv)
     res = compiled_resources(Shape(*[getattr(opts, d) for d in DIMS]), opts.arch, not opts.no_z,
                              torch.float32 if opts.out_f32 else torch.bfloat16,
-                             overrides_of(opts.override or {}), opts.ptx_dir, echo=True)
+                             overrides_of(opts.override or {}), opts.ptx_dir, echo=True,
+                             operator=opts.operator, fused_norm=opts.norm)
     if opts.json:
         print("RESOURCES " + json.dumps(res), flush=True)
     return 0

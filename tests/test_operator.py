@@ -2,11 +2,12 @@
 recurrence (SPEC sections 6-7): the output, the four final states and the gradient of every
 input, on small odd shapes (GQA, R = 3, N = 12, P = 10, S not a multiple of chunk_size,
 divisor 2), with and without Z, D, MIMO_Out, the fused norm (weight given, None, flattened),
-fp32 inputs through the interpreter (bf16 and fp16 on the GPU)."""
+in fp32, bf16 and fp16 (through the interpreter, the dots' operands are fp32 whatever the
+input dtype; the GPU runs them at the kernels' precision)."""
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE
 from test_reference_operator import INPUT_NAMES, make_args
 from mamba3_mimo import mamba3_mimo
 from mamba3_mimo.reference import mamba3_mimo_reference, mamba3_mimo_stepwise
@@ -59,8 +60,7 @@ def _run(fn, args, w, op_kw, seed=5, **extra):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16, torch.float16]
-                                                      if ON_GPU else []),
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).split(".")[-1])
 def test_operator_against_references(case, dtype):
     make_kw, op_kw, w_shape = CASES[case]
@@ -122,3 +122,94 @@ def test_bad_arguments(bad, match):
     a.update({k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in bad.items()})
     with pytest.raises((ValueError, TypeError), match=match):
         mamba3_mimo(**a)
+
+
+EDGE_CASES = {
+    # name: (make_args kwargs): one step; S shorter than a chunk; chunk_size 1; R = 8 with
+    # chunks split into kernel tiles; N = 48, P = 24
+    "one_step": dict(B=1, S=1, H=2, G=1, R=2, N=8, P=6, chunk_size=4),
+    "short": dict(B=2, S=3, H=2, G=2, R=3, N=12, P=10, chunk_size=16),
+    "chunk_1": dict(B=1, S=6, H=2, G=1, R=2, N=8, P=6, chunk_size=1),
+    "split_tiles": dict(B=1, S=21, H=2, G=1, R=8, N=8, P=6, chunk_size=16),
+    "n48_p24": dict(B=1, S=9, H=3, G=3, R=3, N=48, P=24, chunk_size=4, rotary_dim_divisor=2),
+}
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_operator_edge_shapes(case):
+    """Every output and gradient against the float64 chunked reference (fp32 inputs)."""
+    args = make_args(**EDGE_CASES[case])
+    ours, _ = _leaves(args, torch.float32, DEVICE, None)
+    got_out, got_grads = _run(mamba3_mimo, ours, None, {})
+    ref = {k: (v.detach().double().cpu().requires_grad_(True) if isinstance(v, torch.Tensor)
+               else v) for k, v in ours.items()}
+    ref["dtype"] = F64
+    want_out, want_grads = _run(mamba3_mimo_reference, ref, None, {})
+    errors = {n: rel_rms(got_out[n].cpu(), want_out[n]) for n in OUT_NAMES}
+    errors.update({f"d{n}": rel_rms(got_grads[n].cpu(), want_grads[n]) for n in want_grads})
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
+    assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
+
+
+def test_angles_expanded_over_heads():
+    """Angles given as a [B, S, 1, RD] tensor expanded over the heads (head stride 0, as
+    flash-linear-attention passes it): the same output and input gradients as a dense copy,
+    and the gradient of the unexpanded leaf summed over the heads."""
+    args = make_args(B=1, S=7, H=3, G=1, R=2, N=8, P=6, chunk_size=4)
+    dense, _ = _leaves(args, torch.float32, DEVICE, None)
+    base = dense["Angles"][:, :, :1].detach().clone().requires_grad_(True)
+    dense["Angles"] = base.detach().expand(-1, -1, 3, -1).contiguous().requires_grad_(True)
+    expanded = {k: (v.detach().clone().requires_grad_(True) if isinstance(v, torch.Tensor)
+                    and k != "Angles" else v) for k, v in dense.items()}
+    expanded["Angles"] = base.expand(-1, -1, 3, -1)
+    out_d = mamba3_mimo(**dense)
+    out_e = mamba3_mimo(**expanded)
+    assert torch.equal(out_d, out_e)
+    g = torch.randn(out_d.shape, generator=torch.Generator().manual_seed(3)).to(out_d.device)
+    out_d.backward(g)
+    out_e.backward(g)
+    assert torch.equal(base.grad, dense["Angles"].grad.sum(2, keepdim=True))
+    assert torch.equal(expanded["Q"].grad, dense["Q"].grad)
+
+
+def test_deterministic():
+    """The same inputs give bitwise identical outputs, final states and gradients."""
+    args = make_args(B=2, S=11, H=4, G=2, R=3, N=12, P=10, chunk_size=4)
+    results = []
+    for _ in range(2):
+        ours, _ = _leaves(args, torch.float32, DEVICE, None)
+        results.append(_run(mamba3_mimo, ours, None, {}))
+    for name in OUT_NAMES:
+        assert torch.equal(results[0][0][name], results[1][0][name]), name
+    for name, g in results[0][1].items():
+        assert torch.equal(g, results[1][1][name]), name
+
+
+@pytest.mark.parametrize("op_kw,make_kw", [
+    ({}, dict(mimo_out=True)),
+    ({}, dict(mimo_out=False, d=False)),
+    (dict(fuse_pregate_headwise_rms_norm=True), dict(mimo_out=True)),
+], ids=["reduced", "per_rank", "norm"])
+def test_operator_in_several_blocks(monkeypatch, op_kw, make_kw):
+    """N and P walked in several blocks (16 pairs of N = 48, 16 of P = 40 columns: 2 and 3
+    blocks), as the official shapes' larger N and P are: every output and gradient against the
+    float64 reference."""
+    from mamba3_mimo.kernels import chunk_forward, chunk_grads
+    for module in (chunk_forward, chunk_grads):
+        monkeypatch.setattr(module, "BLOCK_PAIRS", 16)
+        monkeypatch.setattr(module, "BLOCK_P", 16)
+    monkeypatch.setattr(chunk_grads, "STATE_BLOCK_PAIRS", 16)
+    args = make_args(B=1, S=10, H=2, G=1, R=2, N=48, P=40, chunk_size=4, **make_kw)
+    w = 1 + 0.3 * torch.randn(2, 40, generator=torch.Generator().manual_seed(4),
+                              dtype=F64) if op_kw else None
+    ours, w32 = _leaves(args, torch.float32, DEVICE, w)
+    got_out, got_grads = _run(mamba3_mimo, ours, w32, op_kw)
+    ref = {k: (v.detach().double().cpu().requires_grad_(True) if isinstance(v, torch.Tensor)
+               else v) for k, v in ours.items()}
+    ref["dtype"] = F64
+    rw = None if w32 is None else w32.detach().double().cpu().requires_grad_(True)
+    want_out, want_grads = _run(mamba3_mimo_reference, ref, rw, op_kw)
+    errors = {n: rel_rms(got_out[n].cpu(), want_out[n]) for n in OUT_NAMES}
+    errors.update({f"d{n}": rel_rms(got_grads[n].cpu(), want_grads[n]) for n in want_grads})
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
+    assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"

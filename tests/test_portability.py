@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs the ptxas and cuobjdump that come with Triton's NVIDIA backend")
 
 
-def compiled_resources(arch: int, N: int, P: int, R: int, C: int) -> dict:
+def compiled_resources(arch: int, N: int, P: int, R: int, C: int, *flags: str) -> dict:
     """{kernel name: (registers, stack bytes per thread, shared bytes)} of one call's kernels
     compiled for compute capability `arch` (B=4, S=2048, H=16, G=1, bf16, Z and D on), by
     offline.py in a process of its own: it needs Triton's compiler, and Triton picks the
@@ -32,7 +32,7 @@ def compiled_resources(arch: int, N: int, P: int, R: int, C: int) -> dict:
     path = [ROOT, TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "offline", "--arch", str(arch), "--json",
+    cmd = [sys.executable, "-m", "offline", "--arch", str(arch), "--json", *flags,
            "4", "2048", "16", "1", str(N), str(P), str(R), str(C)]
     done = subprocess.run(cmd, env=env, cwd=TESTS, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -62,3 +62,26 @@ def test_kernels_off_hopper(arch, dims):
     assert "chunk_output_kernel.rerun" in res, res
     res.pop("chunk_output_kernel.rerun")
     assert all(stack <= 40 for _, stack, _ in res.values()), res
+
+
+# the whole operator's whole-chunk kernels spill at most this on the official shapes (sm_90:
+# 0-376 bytes; tests/offline.py --operator)
+OPERATOR_MAX_STACK = 512
+
+
+@pytest.mark.parametrize("arch, dims, norm", [(90, (128, 64, 4, 16), False),
+                                              (90, (256, 64, 4, 8), True),
+                                              (89, (128, 128, 4, 8), False)],
+                         ids=["sm90_N128_P64_R4_C16", "sm90_N256_P64_R4_C8_norm",
+                              "sm89_N128_P128_R4_C8"])
+def test_operator_kernels_fit(arch, dims, norm):
+    """Every kernel of the whole operator's forward and backward (chunk_forward with and
+    without GRAD, state_grad, chunk_grads, the preprocessing, the state pass) fits SMEM_LIMIT
+    of shared memory and spills at most OPERATOR_MAX_STACK bytes per thread."""
+    res = compiled_resources(arch, *dims, "--operator", *(["--norm"] if norm else []))
+    for name in ("chunk_forward_kernel", "chunk_forward_kernel.grad", "state_grad_kernel",
+                 "chunk_grads_kernel", "angle_sum_kernel", "angle_sum_kernel.reverse",
+                 "decay_pieces_kernel"):
+        assert name in res, res
+    assert all(shared <= SMEM_LIMIT for _, _, shared in res.values()), res
+    assert all(stack <= OPERATOR_MAX_STACK for _, stack, _ in res.values()), res

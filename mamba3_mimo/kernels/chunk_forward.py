@@ -14,8 +14,9 @@ import triton.language as tl
 
 from ..runtime.device import on_device
 from . import next_pow2
-from .common import dot
-from .whole_chunk import chunk_operands, rows_of_steps
+from .common import chunk_rows, load_cos_sin, load_rotated, mac
+from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block, psiv_block,
+                          rows_of_steps, state_block)
 
 
 @triton.jit
@@ -50,103 +51,178 @@ def _step_sums(x, RP: tl.constexpr):
     return tl.sum(tl.reshape(x, (TPR // RP, RP, PP)), axis=0)
 
 
+@triton.jit
+def _raw_block(sw, q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off, st_at, v_at, ts,
+               steps, svs, svp, mv_at, d_h, q_decay, R, P, p0, HALF, RD, sqn,
+               BJ: tl.constexpr, BP: tl.constexpr, RP: tl.constexpr, HAS_D: tl.constexpr,
+               PREC: tl.constexpr):
+    """(p, p mask, raw_y [rows, BP]) of the columns p0..p0+BP: (Sc W) PsiV + Q_DECAY Qr
+    states[c] + D PsiV, sw = Sc W."""
+    p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+    ROWS: tl.constexpr = sw.shape[0]
+    acc = tl.zeros([ROWS, BP], dtype=tl.float32)
+    for j0 in range(0, HALF, BJ):
+        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
+                                    j0, HALF, RD, sqn, BJ)
+        st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
+        acc = mac(mac(acc, q1, st1, PREC), q2, st2, PREC)
+    raw = mac(q_decay[:, None] * acc, sw, psiv, PREC)
+    if HAS_D:
+        raw += d_h * psiv
+    return p, pm, raw
+
+
+@triton.jit
+def _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h, R, P, p, pm, steps,
+                  rows, TP: tl.constexpr, RP: tl.constexpr, HAS_Z: tl.constexpr,
+                  HAS_OUT: tl.constexpr, GRAD: tl.constexpr):
+    """The output stage's inputs per row on the columns p: z and Zeta (HAS_Z), Phi (HAS_OUT),
+    dout (GRAD; per step with Phi, per row without). Absent ones are 1 (0 for z)."""
+    rk = tl.arange(0, RP)
+    rank_off = (h * R + rk)[:, None] * P + p[None, :]
+    rank_ok = (rk < R)[:, None] & pm[None, :]
+    tp_ok = steps[:, None] & pm[None, :]
+    zr, zeta, phi, do = 0.0, 1.0, 1.0, 1.0
+    if HAS_Z:
+        zr = _per_row(tl.load(z + s_at + s_row[:, None] + p[None, :], mask=tp_ok,
+                              other=0.0).to(tl.float32), RP)
+        zeta = _per_rank(tl.load(mimo_z + rank_off, mask=rank_ok, other=0.0), TP)
+    if HAS_OUT:
+        phi = _per_rank(tl.load(mimo_o + rank_off, mask=rank_ok, other=0.0), TP)
+    if GRAD:
+        if HAS_OUT:
+            do = _per_row(tl.load(dout + s_at + s_row[:, None] + p[None, :], mask=tp_ok,
+                                  other=0.0).to(tl.float32), RP)
+        else:
+            do = tl.load(dout + r_at + r_row[:, None] + p[None, :],
+                         mask=rows[:, None] & pm[None, :], other=0.0).to(tl.float32)
+    return zr, zeta, phi, do
+
+
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
 def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms,
                          cos, sin, da_cs, segsum, states, dout, out, dy, dz, part_o, part_z,
                          part_w, final_state, S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, eps,
                          sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
                          TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
-                         PP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+                         BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                          HAS_OUT: tl.constexpr, NORM: tl.constexpr, GRAD: tl.constexpr,
                          PREC: tl.constexpr):
-    """One (b*h, chunk) per program (b*h fastest on grid axis 0). z, dout, out, dy, dz are
-    contiguous over [B, S_pad, ...]: z, dz [.., H, P]; out and dout [.., H, P] with MIMO_Out,
-    [.., R, H, P] without; dy [.., R, H, P] fp32. part_o, part_z [B*H, nc, R, P] and part_w
-    [B*H, nc, P] fp32; final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering
-    each chunk)."""
-    pid = tl.program_id(0)
-    bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
-    b, h = bh // H, bh % H
+    """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and P
+    in blocks of BP columns. z, dout, out, dy, dz are contiguous over [B, S_pad, ...]: z, dz
+    [.., H, P]; out and dout [.., H, P] with MIMO_Out, [.., R, H, P] without; dy
+    [.., R, H, P] fp32. part_o, part_z [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
+    final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering each chunk). With the
+    norm, a first pass over the P blocks gathers each row's sums, a second writes."""
     HALF = N // 2
+    t, r = chunk_rows(TP, RP)
+    (bh, c, b, h, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at,
+     mv_at) = chunk_pointers(q, k, v, mimo_v, cos, sin, t, r, n_bh, S_pad, H, HG, R, C, N, P, RD,
+                             sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh)
     s0 = c * C
-    (t, r, rows, ts, steps, p, pm, cs, sn, q1, q2, k1, k2, psiv, gamma, trap_scale, k_decay,
-     q_decay, e, w) = chunk_operands(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum,
-                                     bh, c, S_pad, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs,
-                                     sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
-                                     TP, RP, BJ, PP)
-    j = tl.arange(0, BJ)
-    jm = (j < HALF)[:, None] & pm[None, :]
-    st_off = j[:, None] * P + p[None, :]
-    st = states + (bh * nc + c) * N * P
-    st1 = tl.load(st + st_off, mask=jm, other=0.0)
-    st2 = tl.load(st + HALF * P + st_off, mask=jm, other=0.0)
-    sc = dot(q1, tl.trans(k1), PREC) + dot(q2, tl.trans(k2), PREC)
-    raw = (dot(sc * rows_of_steps(w, RP), psiv, PREC)
-           + q_decay[:, None] * (dot(q1, st1, PREC) + dot(q2, st2, PREC)))
+    t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
+        terms, segsum, bh, c, S_pad, nc, plane, R, C, TP, RP)
+    st_at = states + (bh * nc + c) * N * P
+    d_h = 0.0
     if HAS_D:
-        raw += tl.load(d + h) * psiv
-    rp_ok = rows[:, None] & pm[None, :]
-    tp_ok = steps[:, None] & pm[None, :]
-    row_off = (((b * S_pad + s0 + t) * R + r) * H + h)[:, None] * P + p[None, :]
-    step_off = ((b * S_pad + s0 + ts) * H + h)[:, None] * P + p[None, :]
+        d_h = tl.load(d + h)
+    sw = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
+                      cs_off, HALF, RD, sqn, skn, BJ, PREC) * rows_of_steps(w, RP)
+    # [B, S_pad, H, P] per step and [B, S_pad, R, H, P] per row: the chunk's first element
+    s_at, s_row = ((b * S_pad + s0) * H + h) * P, ts * H * P
+    r_at, r_row = ((b * S_pad + s0) * R * H + h) * P, (t * R + r) * H * P
+    ROWS: tl.constexpr = TP * RP
+    rstd = tl.zeros([ROWS], dtype=tl.float32)
+    g_raw = tl.zeros([ROWS], dtype=tl.float32)  # sum_p w g_y raw_y (the norm's backward)
     if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) / P + eps)
-        nw = tl.load(norm_w + h * P + p, mask=pm, other=0.0)
-        y = raw * rstd[:, None] * nw[None, :]
-    else:
-        y = raw
-    rk = tl.arange(0, RP)
-    rank_off = (h * R + rk)[:, None] * P + p[None, :]
-    rank_ok = (rk < R)[:, None] & pm[None, :]
-    gate = 1.0
-    if HAS_Z:
-        zr = _per_row(tl.load(z + step_off, mask=tp_ok, other=0.0).to(tl.float32), RP)
-        zeta = _per_rank(tl.load(mimo_z + rank_off, mask=rank_ok, other=0.0), TP)
-        u = zr * zeta
-        sig = tl.sigmoid(u)
-        gate = u * sig
-    if HAS_OUT:
-        phi = _per_rank(tl.load(mimo_o + rank_off, mask=rank_ok, other=0.0), TP)
-    if not GRAD:
-        if HAS_OUT:
-            o = _rank_sums(phi * gate * y, RP)
-            tl.store(out + step_off, o.to(out.dtype.element_ty), mask=tp_ok)
+        for p0 in range(0, P, BP):
+            p, pm, raw = _raw_block(sw, q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at,
+                                    cs_off, st_at, v_at, ts, steps, svs, svp, mv_at, d_h,
+                                    q_decay, R, P, p0, HALF, RD, sqn, BJ, BP, RP, HAS_D, PREC)
+            rstd += tl.sum(raw * raw, axis=1)
+            if GRAD:
+                zr, zeta, phi, do = _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at,
+                                                  r_row, h, R, P, p, pm, steps, rows, TP, RP,
+                                                  HAS_Z, HAS_OUT, GRAD)
+                gate = 1.0
+                if HAS_Z:
+                    gate = zr * zeta * tl.sigmoid(zr * zeta)
+                nw = tl.load(norm_w + h * P + p, mask=pm, other=0.0)
+                g_raw += tl.sum(do * phi * gate * nw[None, :] * raw, axis=1)
+        rstd = 1.0 / tl.sqrt(rstd / P + eps)
+    for p0 in range(0, P, BP):
+        p, pm, raw = _raw_block(sw, q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
+                                st_at, v_at, ts, steps, svs, svp, mv_at, d_h, q_decay, R, P, p0,
+                                HALF, RD, sqn, BJ, BP, RP, HAS_D, PREC)
+        zr, zeta, phi, do = _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h,
+                                          R, P, p, pm, steps, rows, TP, RP, HAS_Z, HAS_OUT, GRAD)
+        if NORM:
+            nw = tl.load(norm_w + h * P + p, mask=pm, other=0.0)
+            y = raw * rstd[:, None] * nw[None, :]
         else:
-            tl.store(out + row_off, (gate * y).to(out.dtype.element_ty), mask=rp_ok)
+            y = raw
+        gate = 1.0
+        if HAS_Z:
+            u = zr * zeta
+            sig = tl.sigmoid(u)
+            gate = u * sig
+        tp_ok = steps[:, None] & pm[None, :]
+        rp_ok = rows[:, None] & pm[None, :]
+        if not GRAD:
+            if HAS_OUT:
+                tl.store(out + s_at + s_row[:, None] + p[None, :],
+                         _rank_sums(phi * gate * y, RP).to(out.dtype.element_ty), mask=tp_ok)
+            else:
+                tl.store(out + r_at + r_row[:, None] + p[None, :],
+                         (gate * y).to(out.dtype.element_ty), mask=rp_ok)
+        else:
+            rk = tl.arange(0, RP)
+            part = (bh * nc + c) * R * P + rk[:, None] * P + p[None, :]
+            rank_ok = (rk < R)[:, None] & pm[None, :]
+            g_y = do * phi * gate  # d loss / d y
+            if HAS_OUT:
+                tl.store(part_o + part, _step_sums(do * gate * y, RP), mask=rank_ok)
+            if HAS_Z:
+                # silu'(u) = sig (1 + u (1 - sig))
+                du = do * phi * y * sig * (1.0 + u * (1.0 - sig))
+                tl.store(part_z + part, _step_sums(du * zr, RP), mask=rank_ok)
+                tl.store(dz + s_at + s_row[:, None] + p[None, :], _rank_sums(du * zeta, RP),
+                         mask=tp_ok)
+            if NORM:
+                tl.store(part_w + (bh * nc + c) * P + p,
+                         tl.sum(g_y * raw * rstd[:, None], axis=0), mask=pm)
+                d_raw = (rstd[:, None] * nw[None, :] * g_y
+                         - raw * (rstd * rstd * rstd * g_raw / P)[:, None])
+            else:
+                d_raw = g_y
+            tl.store(dy + r_at + r_row[:, None] + p[None, :], d_raw, mask=rp_ok)
+    if not GRAD:
         if c == nc - 1:
             # the state after the chunk's last step: past S the inputs are zero-padded (dt = 0,
             # no decay), so this is the state after step S - 1
-            decay = tl.exp(tl.load(da_cs + bh * S_pad + s0 + C - 1))
-            kw1 = tl.trans(k1 * k_decay[:, None])
-            kw2 = tl.trans(k2 * k_decay[:, None])
-            fs = final_state + bh * P * N + p[None, :] * N + j[:, None]
-            tl.store(fs, st1 * decay + dot(kw1, psiv, PREC), mask=jm)
-            tl.store(fs + HALF, st2 * decay + dot(kw2, psiv, PREC), mask=jm)
-    else:
-        part = (bh * nc + c) * R * P
-        rp_off = rk[:, None] * P + p[None, :]
-        if HAS_OUT:
-            do = _per_row(tl.load(dout + step_off, mask=tp_ok, other=0.0).to(tl.float32), RP)
-            g_y = do * phi * gate
-            tl.store(part_o + part + rp_off, _step_sums(do * gate * y, RP), mask=rank_ok)
-            d_gate = do * phi * y
-        else:
-            do = tl.load(dout + row_off, mask=rp_ok, other=0.0).to(tl.float32)
-            g_y = do * gate
-            d_gate = do * y
-        if HAS_Z:
-            du = d_gate * sig * (1.0 + u * (1.0 - sig))  # silu'(u) = sig (1 + u (1 - sig))
-            tl.store(part_z + part + rp_off, _step_sums(du * zr, RP), mask=rank_ok)
-            tl.store(dz + step_off, _rank_sums(du * zeta, RP), mask=tp_ok)
-        if NORM:
-            tl.store(part_w + (bh * nc + c) * P + p,
-                     tl.sum(g_y * raw * rstd[:, None], axis=0), mask=pm)
-            gw = g_y * nw[None, :]
-            d_raw = (rstd[:, None] * gw
-                     - raw * (rstd * rstd * rstd * tl.sum(gw * raw, axis=1) / P)[:, None])
-        else:
-            d_raw = g_y
-        tl.store(dy + row_off, d_raw, mask=rp_ok)
+            decay = tl.exp(tl.load(da_cs + row + C - 1))
+            fs_at = final_state + bh * P * N
+            for j0 in range(0, HALF, BJ):
+                cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
+                k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF,
+                                      skn, True)
+                kw1 = tl.trans(k1 * k_decay[:, None])
+                kw2 = tl.trans(k2 * k_decay[:, None])
+                j = j0 + tl.arange(0, BJ)
+                for p0 in range(0, P, BP):
+                    p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+                    st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
+                    jm = (j < HALF)[:, None] & pm[None, :]
+                    fs = fs_at + p[None, :] * N + j[:, None]
+                    tl.store(fs, mac(st1 * decay, kw1, psiv, PREC), mask=jm)
+                    tl.store(fs + HALF, mac(st2 * decay, kw2, psiv, PREC), mask=jm)
+
+
+# blocks and launch options, chosen offline as chunk_grads' (tests/offline.py --operator, sm_90,
+# N128_P64_R4_C16: 226 registers and no spill forward, 16 bytes with GRAD; 32-pair blocks at
+# 4 warps spilled 96 and 480 bytes)
+BLOCK_PAIRS, BLOCK_P = 16, 64
+OPTIONS = dict(num_warps=8, num_stages=1)
 
 
 def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms, cos, sin,
@@ -167,6 +243,6 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
             nc=m.nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=m.C, N=N, P=P, RD=m.RD,
             eps=float(eps), sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], skb=ks[0],
             sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
-            svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, next_pow2(N // 2)),
-            PP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out, NORM=norm,
-            GRAD=grad, PREC=m.PREC)
+            svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(BLOCK_PAIRS, next_pow2(N // 2))),
+            BP=max(16, min(BLOCK_P, next_pow2(P))), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out, NORM=norm,
+            GRAD=grad, PREC=m.PREC, **OPTIONS)

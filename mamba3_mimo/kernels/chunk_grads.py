@@ -25,9 +25,10 @@ import triton.language as tl
 
 from ..runtime.device import on_device
 from . import next_pow2
-from .common import chunk_rows, dot, load_cos_sin
+from .common import chunk_rows, load_cos_sin, load_rotated, mac
 from .step_terms import Q_DECAY
-from .whole_chunk import chunk_operands, rotated_rows, rows_of_steps, step_sums, steps_of_rows
+from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block, psiv_block,
+                          rows_of_steps, state_block, step_sums, steps_of_rows)
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb"])
@@ -35,39 +36,40 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, S_pad, n_b
                       HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn, TP: tl.constexpr,
                       RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                       PREC: tl.constexpr):
-    """One (b, h) and one block of BP state columns per program; dstates [B, H, nc + 1, N, P]
-    fp32 holds d final state in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P]
-    fp32."""
+    """One (b, h), one block of BJ pair rows and one of BP columns of the state per program
+    (grid (B*H, pair blocks * P blocks)); dstates [B, H, nc + 1, N, P] fp32 holds d final state
+    in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
     HALF = N // 2
+    n_pb = tl.cdiv(P, BP)
+    j0 = (tl.program_id(1) // n_pb) * BJ
+    p0 = (tl.program_id(1) % n_pb) * BP
     t, r = chunk_rows(TP, RP)
     rows = (t < C) & (r < R)
-    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    j = j0 + tl.arange(0, BJ)
+    p = p0 + tl.arange(0, BP)
     pm = p < P
-    j = tl.arange(0, BJ)
     jm = (j < HALF)[:, None] & pm[None, :]
     st_off = j[:, None] * P + p[None, :]
     ds = dstates + bh * (nc + 1) * N * P
-    ds_c = ds + nc * N * P
-    run1 = tl.load(ds_c + st_off, mask=jm, other=0.0)
-    run2 = tl.load(ds_c + HALF * P + st_off, mask=jm, other=0.0)
+    run1, run2 = state_block(ds + nc * N * P, j0, p0, HALF, P, BJ, BP)
     q_h = q + b * sqb + (h // HG) * sqg
     bias_off = (h * R + r) * N
     row = bh * S_pad
+    y_row = (t * R + r) * H * P  # a row's dy inside the chunk's steps
     for i in range(nc):
         c = nc - 1 - i
         s0 = tl.cast(c, tl.int64) * C
-        cs, sn = load_cos_sin(cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, rows, 0, BJ,
-                              RD)
-        q1, q2 = rotated_rows(q_h + s0 * sqs, t * sqs + r * sqr, rows, q_bias, bias_off, cs, sn,
-                               HALF, sqn, BJ)
+        cs, sn, q1, q2 = pair_block(q_h + s0 * sqs, t * sqs + r * sqr, rows, q_bias, bias_off,
+                                    cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, j0,
+                                    HALF, RD, sqn, BJ)
         w = tl.load(terms + Q_DECAY * plane + row + s0 + t, mask=rows, other=0.0)
-        d_y = tl.load(dy + (((b * S_pad + s0 + t) * R + r) * H + h)[:, None] * P + p[None, :],
+        d_y = tl.load(dy + ((b * S_pad + s0) * R * H + h) * P + y_row[:, None] + p[None, :],
                       mask=rows[:, None] & pm[None, :], other=0.0)
         decay = tl.exp(tl.load(da_cs + row + s0 + C - 1))
-        run1 = run1 * decay + dot(tl.trans(q1 * w[:, None]), d_y, PREC)
-        run2 = run2 * decay + dot(tl.trans(q2 * w[:, None]), d_y, PREC)
+        run1 = mac(run1 * decay, tl.trans(q1 * w[:, None]), d_y, PREC)
+        run2 = mac(run2 * decay, tl.trans(q2 * w[:, None]), d_y, PREC)
         ds_c = ds + c * N * P
         tl.store(ds_c + st_off, run1, mask=jm)
         tl.store(ds_c + HALF * P + st_off, run2, mask=jm)
@@ -78,66 +80,111 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
                        segsum, dy, states, dstates, dqb, dkb, dpsiv, d_angles, d_gamma,
                        d_trap_scale, d_adt, S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, sqb,
                        sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
-                       TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, PP: tl.constexpr,
+                       TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                        HAS_D: tl.constexpr, PREC: tl.constexpr):
-    """One (b*h, chunk) per program (b*h fastest on grid axis 0). Writes dqb, dkb
-    [B, S_pad, R, H, N], dpsiv [B, S_pad, R, H, P], d_angles [B, S_pad, H, RD] and d_gamma,
-    d_trap_scale, d_adt [B, H, S_pad], all fp32; reads dy [B, S_pad, R, H, P], states
-    [B, H, nc, N, P] and dstates [B, H, nc + 1, N, P] (fp32)."""
-    pid = tl.program_id(0)
-    bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
-    b, h = bh // H, bh % H
+    """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and P
+    in blocks of BP columns. Writes dqb, dkb [B, S_pad, R, H, N], dpsiv [B, S_pad, R, H, P],
+    d_angles [B, S_pad, H, RD] and d_gamma, d_trap_scale, d_adt [B, H, S_pad], all fp32; reads
+    dy [B, S_pad, R, H, P], states [B, H, nc, N, P] and dstates [B, H, nc + 1, N, P] (fp32)."""
     HALF = N // 2
+    t, r = chunk_rows(TP, RP)
+    (bh, c, b, h, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at,
+     mv_at) = chunk_pointers(q, k, v, mimo_v, cos, sin, t, r, n_bh, S_pad, H, HG, R, C, N, P, RD,
+                             sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh)
     s0 = c * C
-    row = bh * S_pad + s0  # the chunk's first step in the [B*H, S_pad] planes
-    (t, r, rows, ts, steps, p, pm, cs, sn, q1, q2, k1, k2, psiv, gamma, trap_scale, k_decay,
-     q_decay, e, w) = chunk_operands(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum,
-                                     bh, c, S_pad, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs,
-                                     sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
-                                     TP, RP, BJ, PP)
-    j = tl.arange(0, BJ)
-    rp_ok = rows[:, None] & pm[None, :]
-    y_off = (((b * S_pad + s0 + t) * R + r) * H + h)[:, None] * P + p[None, :]
-    d_y = tl.load(dy + y_off, mask=rp_ok, other=0.0)
+    t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
+        terms, segsum, bh, c, S_pad, nc, plane, R, C, TP, RP)
+    y_base = ((b * S_pad + s0) * R * H + h) * P  # the chunk's first row of dy and dpsiv
+    y_at = dy + y_base
+    y_row = (t * R + r) * H * P
+    st_at = states + (bh * nc + c) * N * P
+    ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
+    ROWS: tl.constexpr = TP * RP
+    sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
+                      cs_off, HALF, RD, sqn, skn, BJ, PREC)
+    dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)  # dY PsiV^T
+    for p0 in range(0, P, BP):
+        p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+        d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                      other=0.0)
+        dp = mac(dp, d_y, tl.trans(psiv), PREC)
+    sdp = steps_of_rows(sc * dp, RP)  # sum over the ranks of Sc * dP, per pair of steps
+    w_rows = rows_of_steps(w, RP)
+    m = dp * w_rows
+    sw = sc * w_rows
+    # N blocks: dQr, dKr (rotated back) and the angles' gradient; the inter-chunk sums
+    d_cs_rows = tl.zeros([ROWS], dtype=tl.float32)
+    inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)
+    carried = 0.0  # <dstates[c + 1], states[c]>
+    n_row = ((b * S_pad + s0) * R * H + h) * N + (t * R + r) * H * N  # a row's dqb
+    a_at = ((b * S_pad + s0) * H + h) * RD + ts * H * RD  # a step's d_angles
+    for j0 in range(0, HALF, BJ):
+        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
+                                    j0, HALF, RD, sqn, BJ)
+        k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
+                              True)
+        dqi1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        dqi2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        pk1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        pk2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        for p0 in range(0, P, BP):
+            p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+            d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                          other=0.0)
+            st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
+            ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+            dqi1 = mac(dqi1, d_y, tl.trans(st1), PREC)
+            dqi2 = mac(dqi2, d_y, tl.trans(st2), PREC)
+            pk1 = mac(pk1, psiv, tl.trans(ds1), PREC)
+            pk2 = mac(pk2, psiv, tl.trans(ds2), PREC)
+            carried += tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0)
+        dqi1 = q_decay[:, None] * dqi1
+        dqi2 = q_decay[:, None] * dqi2
+        d_cs_rows += tl.sum(q1 * dqi1 + q2 * dqi2, axis=1)
+        inter_k_rows += tl.sum(k1 * pk1 + k2 * pk2, axis=1)
+        dq1 = mac(dqi1, m, k1, PREC)
+        dq2 = mac(dqi2, m, k2, PREC)
+        dk1 = mac(k_decay[:, None] * pk1, tl.trans(m), q1, PREC)
+        dk2 = mac(k_decay[:, None] * pk2, tl.trans(m), q2, PREC)
+        j = j0 + tl.arange(0, BJ)
+        hm = rows[:, None] & (j < HALF)[None, :]
+        off = n_row[:, None] + j[None, :]
+        tl.store(dqb + off, cs * dq1 + sn * dq2, mask=hm)
+        tl.store(dqb + off + HALF, cs * dq2 - sn * dq1, mask=hm)
+        tl.store(dkb + off, cs * dk1 + sn * dk2, mask=hm)
+        tl.store(dkb + off + HALF, cs * dk2 - sn * dk1, mask=hm)
+        d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
+        tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
+                 mask=steps[:, None] & (j < RD)[None, :])
+    # P blocks: dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        pm = p < P
+        d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                      other=0.0)
+        acc = tl.zeros([ROWS, BP], dtype=tl.float32)
+        for j0 in range(0, HALF, BJ):
+            cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
+            k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
+                                  True)
+            ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+            acc = mac(mac(acc, k1, ds1, PREC), k2, ds2, PREC)
+        dpv = mac(k_decay[:, None] * acc, tl.trans(sw), d_y, PREC)
+        if HAS_D:
+            dpv += tl.load(d + h) * d_y
+        tl.store(dpsiv + y_base + y_row[:, None] + p[None, :], dpv,
+                 mask=rows[:, None] & pm[None, :])
+    # per-step gradients: gamma, trap_scale and ADT through the decay pieces
     rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
     diag = (ts[None, :] == ts[:, None]) & steps[:, None]
-    w_rows = rows_of_steps(w, RP)
-    # the states entering the chunk and the gradient of the one leaving it, in pair halves
-    jm = (j < HALF)[:, None] & pm[None, :]
-    st_off = j[:, None] * P + p[None, :]
-    st = states + (bh * nc + c) * N * P
-    st1 = tl.load(st + st_off, mask=jm, other=0.0)
-    st2 = tl.load(st + HALF * P + st_off, mask=jm, other=0.0)
-    ds = dstates + (bh * (nc + 1) + c + 1) * N * P
-    ds1 = tl.load(ds + st_off, mask=jm, other=0.0)
-    ds2 = tl.load(ds + HALF * P + st_off, mask=jm, other=0.0)
-    # scores and their gradient
-    sc = dot(q1, tl.trans(k1), PREC) + dot(q2, tl.trans(k2), PREC)
-    dp = dot(d_y, tl.trans(psiv), PREC)
-    m = dp * w_rows
-    dq_inter1 = q_decay[:, None] * dot(d_y, tl.trans(st1), PREC)
-    dq_inter2 = q_decay[:, None] * dot(d_y, tl.trans(st2), PREC)
-    dq1 = dot(m, k1, PREC) + dq_inter1
-    dq2 = dot(m, k2, PREC) + dq_inter2
-    pk1 = dot(psiv, tl.trans(ds1), PREC)  # dstates psi_v, [rows, BJ] per half
-    pk2 = dot(psiv, tl.trans(ds2), PREC)
-    dk1 = dot(tl.trans(m), q1, PREC) + k_decay[:, None] * pk1
-    dk2 = dot(tl.trans(m), q2, PREC) + k_decay[:, None] * pk2
-    dpv = (dot(tl.trans(sc * w_rows), d_y, PREC)
-           + k_decay[:, None] * (dot(k1, ds1, PREC) + dot(k2, ds2, PREC)))
-    if HAS_D:
-        dpv += tl.load(d + h) * d_y
-    # per-step gradients: gamma, trap_scale and the decay pieces
-    sdp = steps_of_rows(sc * dp, RP)
     d_gam = tl.sum(tl.where(diag, sdp, 0.0), axis=1)
-    inter_k = step_sums(tl.sum(k1 * pk1 + k2 * pk2, axis=1), RP)  # kr . dstates psi_v
+    inter_k = step_sums(inter_k_rows, RP)  # Kr . dstates[c + 1] PsiV per step
     d_ts = tl.sum(e * sdp, axis=0) + tl.exp(rev) * inter_k
     d_rev = trap_scale * tl.exp(rev) * inter_k
-    d_cs = step_sums(tl.sum(q1 * dq_inter1 + q2 * dq_inter2, axis=1), RP)
+    d_cs = step_sums(d_cs_rows, RP)
     # the state recurrence's decay of the entering state over the chunk, exp(da_cs[end])
     end_decay = tl.exp(tl.load(da_cs + row + C - 1))
-    carried = tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0) * end_decay
-    d_cs += tl.where(ts == C - 1, carried, 0.0)
+    d_cs += tl.where(ts == C - 1, carried * end_decay, 0.0)
     d_seg = sdp * e * trap_scale[None, :]  # [i, j], zero unless j < i
     # ADT[u] enters da_cs[t] for t >= u, da_cs_rev[t] for t < u, segsum[i, j] for j < u <= i
     u = ts
@@ -148,18 +195,14 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
     tl.store(d_gamma + row + ts, d_gam, mask=steps)
     tl.store(d_trap_scale + row + ts, d_ts, mask=steps)
     tl.store(d_adt + row + ts, d_x, mask=steps)
-    # rotated back: the gradients of q + q_bias and k + k_bias; the angles' gradient
-    n_off = (((b * S_pad + s0 + t) * R + r) * H + h)[:, None] * N + j[None, :]
-    hm = rows[:, None] & (j < HALF)[None, :]
-    tl.store(dqb + n_off, cs * dq1 + sn * dq2, mask=hm)
-    tl.store(dqb + n_off + HALF, cs * dq2 - sn * dq1, mask=hm)
-    tl.store(dkb + n_off, cs * dk1 + sn * dk2, mask=hm)
-    tl.store(dkb + n_off + HALF, cs * dk2 - sn * dk1, mask=hm)
-    tl.store(dpsiv + y_off, dpv, mask=rp_ok)
-    d_ang = dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2  # [rows, BJ]
-    d_ang = tl.sum(tl.reshape(d_ang, (TP, RP, BJ)), axis=1)
-    a_off = ((b * S_pad + s0 + ts) * H + h)[:, None] * RD + j[None, :]
-    tl.store(d_angles + a_off, d_ang, mask=steps[:, None] & (j < RD)[None, :])
+
+
+# blocks and launch options, chosen offline (tests/offline.py --operator, sm_90, N128_P64_R4_C16):
+# with 16-pair N blocks and 8 warps chunk_grads spills 64 bytes per thread in 80 KB of shared
+# memory (32-pair blocks: 114 KB; 4 warps: 1.3-1.9 KB of spill); the reverse scan's 64-pair
+# blocks at 8 warps spill 80 bytes (4 warps: 744). Loops load in place (one stage).
+BLOCK_PAIRS, BLOCK_P, STATE_BLOCK_PAIRS = 16, 64, 64
+OPTIONS = dict(num_warps=8, num_stages=1)
 
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
@@ -186,21 +229,23 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
                d_gamma=torch.empty(B, H, S_pad, **f32), d_trap_scale=torch.empty(B, H, S_pad, **f32),
                d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates)
     # every dot dimension at least 16 (m.TP * m.RP already is)
-    TP, RP, BJ = m.TP, m.RP, max(16, next_pow2(N // 2))
-    BP, PP = max(16, min(64, next_pow2(P))), max(16, next_pow2(P))
+    TP, RP = m.TP, m.RP
+    BJ, BP = max(16, min(BLOCK_PAIRS, next_pow2(N // 2))), max(16, min(BLOCK_P, next_pow2(P)))
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     common = dict(S_pad=S_pad, n_bh=B * H, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
                   N=N, P=P, RD=m.RD, sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
-                  TP=TP, RP=RP, BJ=BJ, PREC=precision)
+                  TP=TP, RP=RP, BJ=BJ, BP=BP, PREC=precision)
     tables = dict(terms=terms, cos=cos, sin=sin)
     with on_device(dev):
-        state_grad_kernel[(B * H, triton.cdiv(P, BP))](
-            q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, BP=BP, **tables, **common)
+        SBJ = max(16, min(STATE_BLOCK_PAIRS, next_pow2(N // 2)))
+        state_grad_kernel[(B * H, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, BP))](
+            q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, **tables,
+            **dict(common, BJ=SBJ), **OPTIONS)
         chunk_grads_kernel[(B * H * nc,)](
             q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,
             da_cs_rev=da_cs_rev, segsum=segsum, dy=dy, states=states, dstates=dstates,
             dqb=out["dqb"], dkb=out["dkb"], dpsiv=out["dpsiv"], d_angles=out["d_angles"],
             d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"], d_adt=out["d_adt"],
             skb=ks[0], sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1],
-            svh=vs[2], svp=vs[3], PP=PP, HAS_D=m.HAS_D, **tables, **common)
+            svh=vs[2], svp=vs[3], HAS_D=m.HAS_D, **tables, **common, **OPTIONS)
     return out

@@ -1,10 +1,12 @@
 """The whole operator's first-form kernels (chunk_forward, chunk_grads) work on whole chunks: one
-program holds a chunk's (step, rank) rows (row = t * RP + r), all N pair columns and all P
-columns. Here: the operands such a program loads, and the reshapes between rows and steps."""
+program holds a chunk's (step, rank) rows (row = t * RP + r) and walks N in blocks of BJ pair
+columns and P in blocks of BP columns, so that its tiles stay within the registers and shared
+memory of one program. Here: what such a program loads, and the reshapes between rows and
+steps."""
 import triton
 import triton.language as tl
 
-from .common import chunk_rows, load_cos_sin, load_mimo_v, load_pair_columns, psi_v_rows
+from .common import (chunk_rows, load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows)
 from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
 
 
@@ -32,46 +34,17 @@ def step_sums(x, RP: tl.constexpr):
 
 
 @triton.jit
-def rotated_rows(x_ptr, row_off, rows, bias_ptr, bias_off, cos, sin, HALF, stride_n,
-                 BJ: tl.constexpr):
-    """(x + bias) rotated, as pair halves [rows, BJ] each, all pairs in one block."""
-    x1, x2 = load_pair_columns(x_ptr, row_off, rows, 0, BJ, HALF, stride_n)
-    b1, b2 = load_pair_columns(bias_ptr, bias_off, rows, 0, BJ, HALF, 1)
-    x1 = x1.to(tl.float32) + b1
-    x2 = x2.to(tl.float32) + b2
-    return cos * x1 - sin * x2, sin * x1 + cos * x2
-
-
-@triton.jit
-def chunk_operands(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum, bh, c, S_pad, nc,
-                   plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn,
-                   svb, svs, svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
-                   PP: tl.constexpr):
-    """What a whole-chunk program of (b*h, chunk c) reads (bh, c 64-bit): the rows' cos/sin
-    [rows, BJ], Qr and Kr in pair halves [rows, BJ], PsiV [rows, PP], gamma and trap_scale per
-    step [TP], K_DECAY and Q_DECAY per row, and the causal weights per pair of steps: E =
-    exp(segsum) before the diagonal (else 0) and W = E trap_scale[t'] + gamma on the diagonal
-    ([TP, TP]). Returned as a tuple in that order, after (t, r, rows, ts, steps, p, pm)."""
-    b, h = bh // H, bh % H
-    HALF = N // 2
-    s0 = c * C
-    row = bh * S_pad + s0  # the chunk's first step in the [B*H, S_pad] planes
+def chunk_terms(terms, segsum, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr,
+                RP: tl.constexpr):
+    """The per-step terms of chunk c of (b*h) bh (both 64-bit): (t, r, rows) of the rows,
+    (ts, steps) of the steps, gamma and trap_scale per step, K_DECAY and Q_DECAY per row, and the
+    causal weights per pair of steps: E = exp(segsum) before the diagonal (else 0) and
+    W = E trap_scale[t'] + gamma on the diagonal ([TP, TP])."""
+    row = bh * S_pad + c * C  # the chunk's first step in the [B*H, S_pad] planes
     t, r = chunk_rows(TP, RP)
     rows = (t < C) & (r < R)
     ts = tl.arange(0, TP)
     steps = ts < C
-    p = tl.arange(0, PP)
-    pm = p < P
-    cs, sn = load_cos_sin(cos + row * RD, sin + row * RD, t * RD, rows, 0, BJ, RD)
-    bias_off = (h * R + r) * N
-    g = h // HG
-    q1, q2 = rotated_rows(q + b * sqb + g * sqg + s0 * sqs, t * sqs + r * sqr, rows, q_bias,
-                          bias_off, cs, sn, HALF, sqn, BJ)
-    k1, k2 = rotated_rows(k + b * skb + g * skg + s0 * sks, t * sks + r * skr, rows, k_bias,
-                          bias_off, cs, sn, HALF, skn, BJ)
-    xv = tl.load(v + b * svb + h * svh + s0 * svs + ts[:, None] * svs + p[None, :] * svp,
-                 mask=steps[:, None] & pm[None, :], other=0.0)
-    psiv = psi_v_rows(xv, load_mimo_v(mimo_v + h * R * P, R, p, pm, P, RP))
     gamma = tl.load(terms + GAMMA * plane + row + ts, mask=steps, other=0.0)
     trap_scale = tl.load(terms + TRAP_SCALE * plane + row + ts, mask=steps, other=0.0)
     k_decay = tl.load(terms + K_DECAY * plane + row + t, mask=rows, other=0.0)
@@ -82,5 +55,75 @@ def chunk_operands(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum, bh,
     e = tl.where(before, tl.exp(seg), 0.0)
     diag = (ts[None, :] == ts[:, None]) & steps[:, None]
     w = e * trap_scale[None, :] + tl.where(diag, gamma[:, None], 0.0)
-    return (t, r, rows, ts, steps, p, pm, cs, sn, q1, q2, k1, k2, psiv, gamma, trap_scale,
-            k_decay, q_decay, e, w)
+    return t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w
+
+
+@triton.jit
+def pair_block(x_at, row_off, rows, bias_at, bias_off, cos_at, sin_at, cs_off, j0, HALF, RD,
+               stride_n, BJ: tl.constexpr):
+    """cos, sin and (x + bias) rotated on the pair columns j0..j0+BJ of the rows, as
+    [rows, BJ] tiles (x_at, cos_at, sin_at at the chunk's first step)."""
+    cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
+    x1, x2 = load_rotated(x_at, row_off, rows, bias_at, bias_off, cs, sn, j0, BJ, HALF,
+                          stride_n, True)
+    return cs, sn, x1, x2
+
+
+@triton.jit
+def psiv_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP: tl.constexpr,
+               RP: tl.constexpr):
+    """(p, p mask, PsiV [rows, BP]) of the columns p0..p0+BP (v_at at the chunk's first step,
+    mimo_v_at at the head's [R, P] block)."""
+    p = p0 + tl.arange(0, BP)
+    pm = p < P
+    xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
+                 mask=steps[:, None] & pm[None, :], other=0.0)
+    return p, pm, psi_v_rows(xv, load_mimo_v(mimo_v_at, R, p, pm, P, RP))
+
+
+@triton.jit
+def chunk_scores(q_at, qrow, k_at, krow, rows, qb_at, kb_at, bias_off, cos_at, sin_at, cs_off,
+                 HALF, RD, sqn, skn, BJ: tl.constexpr, PREC: tl.constexpr):
+    """Qr Kr^T [rows, rows] over the pair blocks."""
+    ROWS: tl.constexpr = rows.shape[0]
+    sc = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    for j0 in range(0, HALF, BJ):
+        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, qb_at, bias_off, cos_at, sin_at, cs_off,
+                                    j0, HALF, RD, sqn, BJ)
+        k1, k2 = load_rotated(k_at, krow, rows, kb_at, bias_off, cs, sn, j0, BJ, HALF, skn,
+                              True)
+        sc = mac(mac(sc, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
+    return sc
+
+
+@triton.jit
+def state_block(at, j0, p0, HALF, P, BJ: tl.constexpr, BP: tl.constexpr):
+    """The two halves [BJ, BP] of a [N, P] state at `at`: rows j0..j0+BJ and HALF + those,
+    columns p0..p0+BP."""
+    j = j0 + tl.arange(0, BJ)
+    p = p0 + tl.arange(0, BP)
+    m = (j < HALF)[:, None] & (p < P)[None, :]
+    off = j[:, None] * P + p[None, :]
+    return (tl.load(at + off, mask=m, other=0.0).to(tl.float32),
+            tl.load(at + HALF * P + off, mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def chunk_pointers(q, k, v, mimo_v, cos, sin, t, r, n_bh, S_pad, H, HG, R, C, N, P, RD, sqb, sqs,
+                   sqr, sqg, skb, sks, skr, skg, svb, svs, svh):
+    """Where the program of grid axis 0's (b*h, chunk) pair (b*h fastest) reads: (bh, c, b, h)
+    (64-bit), the chunk's first step `row` in the [B*H, S_pad] planes, q and k at the chunk's
+    first step with the rows' offsets, cos/sin at that step with theirs, the rows' bias offsets,
+    v at the chunk's first step and the head's mimo_v block."""
+    pid = tl.program_id(0)
+    bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
+    b, h = bh // H, bh % H
+    s0 = c * C
+    row = bh * S_pad + s0
+    g = h // HG
+    q_at, qrow = q + b * sqb + g * sqg + s0 * sqs, t * sqs + r * sqr
+    k_at, krow = k + b * skb + g * skg + s0 * sks, t * sks + r * skr
+    cos_at, sin_at, cs_off = cos + row * RD, sin + row * RD, t * RD
+    v_at, mv_at = v + b * svb + h * svh + s0 * svs, mimo_v + h * R * P
+    return (bh, c, b, h, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, (h * R + r) * N,
+            v_at, mv_at)
