@@ -79,25 +79,21 @@ def _ours(a, dy, d_final, shape, d_skip):
         dy=dy_pad, states=states.float().contiguous(), d_final_state=d_final, consts=m,
         precision=m.PREC, **t)
     B, H, G, R = shape.B, shape.H, shape.G, shape.R
-    dqb, dkb, dpsiv = g["dqb"][:, :S], g["dkb"][:, :S], g["dpsiv"][:, :S]
-    v = a["v"].float()
     gamma_sig = torch.sigmoid(a["trap"].float())
     dts = g["d_trap_scale"][..., :S]
     dgam = g["d_gamma"][..., :S] + dts  # trap_scale = gamma + the next step's term
     prev = torch.nn.functional.pad(dts[..., :-1], (1, 0))  # trap_scale[t-1]'s share in step t
     dt = a["dt"]
     out = dict(
-        q=dqb.reshape(B, S, R, G, H // G, -1).sum(4), k=dkb.reshape(B, S, R, G, H // G, -1).sum(4),
-        q_bias=dqb.sum((0, 1)).transpose(0, 1), k_bias=dkb.sum((0, 1)).transpose(0, 1),
-        v=(dpsiv * a["mimo_v"].transpose(0, 1)).sum(2),
-        mimo_v=(dpsiv * v[:, :, None]).sum((0, 1)).transpose(0, 1),
+        q=g["dq"][:, :S], k=g["dk"][:, :S], q_bias=g["part_qb"].sum((0, 1)),
+        k_bias=g["part_kb"].sum((0, 1)),
+        v=g["dv"][:, :S], mimo_v=g["part_psi"].view(B, H, -1, R, shape.P).sum((0, 2)),
         angles=g["d_angles"][:, :S],
         dt=dgam * gamma_sig + prev * torch.sigmoid(-a["trap"].float()),
         trap=dgam * dt * gamma_sig * (1 - gamma_sig) - prev * dt * gamma_sig * (1 - gamma_sig),
         adt=g["d_adt"][..., :S])
     if d_skip:
-        out["d"] = (dy.transpose(2, 3) * v[:, :, None] * a["mimo_v"].transpose(0, 1)).sum(
-            (0, 1, 2, 4))
+        out["d"] = g["part_d"].view(B, H, -1).sum((0, 2))
     return out
 
 

@@ -114,11 +114,14 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
     [.., R, H, P] fp32. part_o, part_z [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
     final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering each chunk). With the
     norm, a first pass over the P blocks gathers each row's sums, a second writes."""
+    pid = tl.program_id(0)
+    bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
+    b, h = bh // H, bh % H
     HALF = N // 2
     t, r = chunk_rows(TP, RP)
-    (bh, c, b, h, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at,
-     mv_at) = chunk_pointers(q, k, v, mimo_v, cos, sin, t, r, n_bh, S_pad, H, HG, R, C, N, P, RD,
-                             sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh)
+    row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
+        q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
+        sqg, skb, sks, skr, skg, svb, svs, svh)
     s0 = c * C
     t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
         terms, segsum, bh, c, S_pad, nc, plane, R, C, TP, RP)

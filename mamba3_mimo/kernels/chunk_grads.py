@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..runtime.device import on_device
 from . import next_pow2
-from .common import chunk_rows, load_cos_sin, load_rotated, mac
+from .common import chunk_rows, load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows
 from .step_terms import Q_DECAY
 from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block, psiv_block,
                           rows_of_steps, state_block, step_sums, steps_of_rows)
@@ -75,142 +75,193 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, S_pad, n_b
         tl.store(ds_c + HALF * P + st_off, run2, mask=jm)
 
 
-@triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
+@triton.jit
+def _add_block(x, part, off, part_off, val, mask, part_mask, ADD):
+    """x[off] = val, or x[off] + val where ADD (a later head of the group), and the block's sums
+    over the steps ([rows, BJ] -> [RP, BJ], the head's share of its bias gradient) at
+    part[part_off]."""
+    TPR: tl.constexpr = val.shape[0]
+    BJ: tl.constexpr = val.shape[1]
+    RP: tl.constexpr = part_off.shape[0]
+    tl.store(part + part_off, tl.sum(tl.reshape(val, (TPR // RP, RP, BJ)), axis=0),
+             mask=part_mask)
+    if ADD:
+        val += tl.load(x + off, mask=mask, other=0.0)
+    tl.store(x + off, val, mask=mask)
+
+
+@triton.jit(do_not_specialize=["S_pad", "n_bg", "nc", "plane", "sqb", "skb", "svb"])
 def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
-                       segsum, dy, states, dstates, dqb, dkb, dpsiv, d_angles, d_gamma,
-                       d_trap_scale, d_adt, S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, sqb,
-                       sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
+                       segsum, dy, states, dstates, dq, dk, part_qb, part_kb, dv, part_psi,
+                       part_d, d_angles, d_gamma, d_trap_scale, d_adt, S_pad, n_bg, nc, plane, H,
+                       G, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn,
+                       svb, svs, svh, svp,
                        TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                        HAS_D: tl.constexpr, PREC: tl.constexpr):
-    """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and P
-    in blocks of BP columns. Writes dqb, dkb [B, S_pad, R, H, N], dpsiv [B, S_pad, R, H, P],
-    d_angles [B, S_pad, H, RD] and d_gamma, d_trap_scale, d_adt [B, H, S_pad], all fp32; reads
-    dy [B, S_pad, R, H, P], states [B, H, nc, N, P] and dstates [B, H, nc + 1, N, P] (fp32)."""
+    """One (b*g, chunk) per program (b*g fastest on grid axis 0), for the HG heads of group g in
+    turn; N in blocks of BJ pairs and P in blocks of BP columns. Writes dq, dk [B, S_pad, R, G, N]
+    (of q and k: summed over the group's heads) with each head's share of the bias gradients
+    (part_qb, part_kb [B, nc, H, R, N]), dv [B, S_pad, H, P], d_angles
+    [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad] and the chunk's shares of
+    dPsi (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc], HAS_D), all fp32; reads dy
+    [B, S_pad, R, H, P], states [B, H, nc, N, P] and dstates [B, H, nc + 1, N, P] (fp32)."""
+    pid = tl.program_id(0)
+    bg, c = (pid % n_bg).to(tl.int64), (pid // n_bg).to(tl.int64)
+    b, g = bg // G, bg % G
     HALF = N // 2
-    t, r = chunk_rows(TP, RP)
-    (bh, c, b, h, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at,
-     mv_at) = chunk_pointers(q, k, v, mimo_v, cos, sin, t, r, n_bh, S_pad, H, HG, R, C, N, P, RD,
-                             sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh)
-    s0 = c * C
-    t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
-        terms, segsum, bh, c, S_pad, nc, plane, R, C, TP, RP)
-    y_base = ((b * S_pad + s0) * R * H + h) * P  # the chunk's first row of dy and dpsiv
-    y_at = dy + y_base
-    y_row = (t * R + r) * H * P
-    st_at = states + (bh * nc + c) * N * P
-    ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
     ROWS: tl.constexpr = TP * RP
-    sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
-                      cs_off, HALF, RD, sqn, skn, BJ, PREC)
-    dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)  # dY PsiV^T
-    for p0 in range(0, P, BP):
-        p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-        d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                      other=0.0)
-        dp = mac(dp, d_y, tl.trans(psiv), PREC)
-    sdp = steps_of_rows(sc * dp, RP)  # sum over the ranks of Sc * dP, per pair of steps
-    w_rows = rows_of_steps(w, RP)
-    m = dp * w_rows
-    sw = sc * w_rows
-    # N blocks: dQr, dKr (rotated back) and the angles' gradient; the inter-chunk sums
-    d_cs_rows = tl.zeros([ROWS], dtype=tl.float32)
-    inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)
-    carried = 0.0  # <dstates[c + 1], states[c]>
-    n_row = ((b * S_pad + s0) * R * H + h) * N + (t * R + r) * H * N  # a row's dqb
-    a_at = ((b * S_pad + s0) * H + h) * RD + ts * H * RD  # a step's d_angles
-    for j0 in range(0, HALF, BJ):
-        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
-                                    j0, HALF, RD, sqn, BJ)
-        k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
-                              True)
-        dqi1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
-        dqi2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
-        pk1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
-        pk2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+    t, r = chunk_rows(TP, RP)
+    rk = tl.arange(0, RP)
+    s0 = c * C
+    # the heads of the group in order, each adding its dQ and dK to the previous heads' sum
+    for hh in range(HG):
+        h = g * HG + hh
+        bh = b * H + h
+        row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
+            q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
+            sqg, skb, sks, skr, skg, svb, svs, svh)
+        t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
+            terms, segsum, bh, c, S_pad, nc, plane, R, C, TP, RP)
+        y_base = ((b * S_pad + s0) * R * H + h) * P  # the chunk's first row of dy
+        y_at = dy + y_base
+        y_row = (t * R + r) * H * P
+        st_at = states + (bh * nc + c) * N * P
+        ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
+        sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
+                          cs_off, HALF, RD, sqn, skn, BJ, PREC)
+        dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)  # dY PsiV^T
         for p0 in range(0, P, BP):
             p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
             d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
                           other=0.0)
-            st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
-            ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
-            dqi1 = mac(dqi1, d_y, tl.trans(st1), PREC)
-            dqi2 = mac(dqi2, d_y, tl.trans(st2), PREC)
-            pk1 = mac(pk1, psiv, tl.trans(ds1), PREC)
-            pk2 = mac(pk2, psiv, tl.trans(ds2), PREC)
-            carried += tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0)
-        dqi1 = q_decay[:, None] * dqi1
-        dqi2 = q_decay[:, None] * dqi2
-        d_cs_rows += tl.sum(q1 * dqi1 + q2 * dqi2, axis=1)
-        inter_k_rows += tl.sum(k1 * pk1 + k2 * pk2, axis=1)
-        dq1 = mac(dqi1, m, k1, PREC)
-        dq2 = mac(dqi2, m, k2, PREC)
-        dk1 = mac(k_decay[:, None] * pk1, tl.trans(m), q1, PREC)
-        dk2 = mac(k_decay[:, None] * pk2, tl.trans(m), q2, PREC)
-        j = j0 + tl.arange(0, BJ)
-        hm = rows[:, None] & (j < HALF)[None, :]
-        off = n_row[:, None] + j[None, :]
-        tl.store(dqb + off, cs * dq1 + sn * dq2, mask=hm)
-        tl.store(dqb + off + HALF, cs * dq2 - sn * dq1, mask=hm)
-        tl.store(dkb + off, cs * dk1 + sn * dk2, mask=hm)
-        tl.store(dkb + off + HALF, cs * dk2 - sn * dk1, mask=hm)
-        d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
-        tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
-                 mask=steps[:, None] & (j < RD)[None, :])
-    # P blocks: dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY
-    for p0 in range(0, P, BP):
-        p = p0 + tl.arange(0, BP)
-        pm = p < P
-        d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                      other=0.0)
-        acc = tl.zeros([ROWS, BP], dtype=tl.float32)
+            dp = mac(dp, d_y, tl.trans(psiv), PREC)
+        sdp = steps_of_rows(sc * dp, RP)  # sum over the ranks of Sc * dP, per pair of steps
+        w_rows = rows_of_steps(w, RP)
+        m = dp * w_rows
+        sw = sc * w_rows
+        # N blocks: dQr, dKr (rotated back) and the angles' gradient; the inter-chunk sums
+        d_cs_rows = tl.zeros([ROWS], dtype=tl.float32)
+        inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)
+        carried = 0.0  # <dstates[c + 1], states[c]>
+        bias_at = ((b * nc + c) * H + h) * R * N + rk[:, None] * N
+        # a row's dQ and dK [B, S_pad, R, G, N]; a block of a head's bias shares [B, nc, H, R, N]
+        n_row = ((b * S_pad + s0) * R * G + g) * N + (t * R + r) * G * N
+        a_at = ((b * S_pad + s0) * H + h) * RD + ts * H * RD  # a step's d_angles
         for j0 in range(0, HALF, BJ):
-            cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
+            cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
+                                        j0, HALF, RD, sqn, BJ)
             k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
                                   True)
-            ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
-            acc = mac(mac(acc, k1, ds1, PREC), k2, ds2, PREC)
-        dpv = mac(k_decay[:, None] * acc, tl.trans(sw), d_y, PREC)
+            dqi1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+            dqi2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+            pk1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+            pk2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+            for p0 in range(0, P, BP):
+                p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+                d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                              other=0.0)
+                st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
+                ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+                dqi1 = mac(dqi1, d_y, tl.trans(st1), PREC)
+                dqi2 = mac(dqi2, d_y, tl.trans(st2), PREC)
+                pk1 = mac(pk1, psiv, tl.trans(ds1), PREC)
+                pk2 = mac(pk2, psiv, tl.trans(ds2), PREC)
+                carried += tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0)
+            dqi1 = q_decay[:, None] * dqi1
+            dqi2 = q_decay[:, None] * dqi2
+            d_cs_rows += tl.sum(q1 * dqi1 + q2 * dqi2, axis=1)
+            inter_k_rows += tl.sum(k1 * pk1 + k2 * pk2, axis=1)
+            dq1 = mac(dqi1, m, k1, PREC)
+            dq2 = mac(dqi2, m, k2, PREC)
+            dk1 = mac(k_decay[:, None] * pk1, tl.trans(m), q1, PREC)
+            dk2 = mac(k_decay[:, None] * pk2, tl.trans(m), q2, PREC)
+            j = j0 + tl.arange(0, BJ)
+            hm = rows[:, None] & (j < HALF)[None, :]
+            off = n_row[:, None] + j[None, :]
+            bm = (rk < R)[:, None] & (j < HALF)[None, :]
+            _add_block(dq, part_qb, off, bias_at + j[None, :], cs * dq1 + sn * dq2, hm, bm, hh > 0)
+            _add_block(dq, part_qb, off + HALF, bias_at + HALF + j[None, :], cs * dq2 - sn * dq1, hm,
+                       bm, hh > 0)
+            _add_block(dk, part_kb, off, bias_at + j[None, :], cs * dk1 + sn * dk2, hm, bm, hh > 0)
+            _add_block(dk, part_kb, off + HALF, bias_at + HALF + j[None, :], cs * dk2 - sn * dk1, hm,
+                       bm, hh > 0)
+            d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
+            tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
+                     mask=steps[:, None] & (j < RD)[None, :])
+        # P blocks: dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY, into dV, dPsi and dD
+        v_base = ((b * S_pad + s0) * H + h) * P  # the chunk's first step of dv
+        d_sum = 0.0  # sum dY . PsiV: the chunk's share of dD
+        for p0 in range(0, P, BP):
+            p = p0 + tl.arange(0, BP)
+            pm = p < P
+            d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                          other=0.0)
+            acc = tl.zeros([ROWS, BP], dtype=tl.float32)
+            for j0 in range(0, HALF, BJ):
+                cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
+                k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
+                                      True)
+                ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+                acc = mac(mac(acc, k1, ds1, PREC), k2, ds2, PREC)
+            dpv = mac(k_decay[:, None] * acc, tl.trans(sw), d_y, PREC)
+            if HAS_D:
+                dpv += tl.load(d + h) * d_y
+            # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
+            mv = load_mimo_v(mv_at, R, p, pm, P, RP)
+            xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
+                         mask=steps[:, None] & pm[None, :], other=0.0).to(tl.float32)
+            dpv3 = tl.reshape(dpv, (TP, RP, BP))
+            tl.store(dv + v_base + ts[:, None] * H * P + p[None, :], tl.sum(dpv3 * mv[None], axis=1),
+                     mask=steps[:, None] & pm[None, :])
+            rk = tl.arange(0, RP)
+            tl.store(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
+                     tl.sum(dpv3 * xv[:, None, :], axis=0), mask=(rk < R)[:, None] & pm[None, :])
+            if HAS_D:
+                d_sum += tl.sum(tl.sum(d_y * psi_v_rows(xv, mv), axis=1), axis=0)
         if HAS_D:
-            dpv += tl.load(d + h) * d_y
-        tl.store(dpsiv + y_base + y_row[:, None] + p[None, :], dpv,
-                 mask=rows[:, None] & pm[None, :])
-    # per-step gradients: gamma, trap_scale and ADT through the decay pieces
-    rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
-    diag = (ts[None, :] == ts[:, None]) & steps[:, None]
-    d_gam = tl.sum(tl.where(diag, sdp, 0.0), axis=1)
-    inter_k = step_sums(inter_k_rows, RP)  # Kr . dstates[c + 1] PsiV per step
-    d_ts = tl.sum(e * sdp, axis=0) + tl.exp(rev) * inter_k
-    d_rev = trap_scale * tl.exp(rev) * inter_k
-    d_cs = step_sums(d_cs_rows, RP)
-    # the state recurrence's decay of the entering state over the chunk, exp(da_cs[end])
-    end_decay = tl.exp(tl.load(da_cs + row + C - 1))
-    d_cs += tl.where(ts == C - 1, carried * end_decay, 0.0)
-    d_seg = sdp * e * trap_scale[None, :]  # [i, j], zero unless j < i
-    # ADT[u] enters da_cs[t] for t >= u, da_cs_rev[t] for t < u, segsum[i, j] for j < u <= i
-    u = ts
-    d_x = tl.sum(tl.where(ts[None, :] >= u[:, None], d_cs[None, :], 0.0), axis=1)
-    d_x += tl.sum(tl.where(ts[None, :] < u[:, None], d_rev[None, :], 0.0), axis=1)
-    below = tl.cumsum(d_seg, axis=1) - d_seg  # [i, u]: sum over j < u
-    d_x += tl.sum(tl.where(ts[:, None] >= u[None, :], below, 0.0), axis=0)
-    tl.store(d_gamma + row + ts, d_gam, mask=steps)
-    tl.store(d_trap_scale + row + ts, d_ts, mask=steps)
-    tl.store(d_adt + row + ts, d_x, mask=steps)
+            tl.store(part_d + bh * nc + c, d_sum)
+        # per-step gradients: gamma, trap_scale and ADT through the decay pieces
+        rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
+        diag = (ts[None, :] == ts[:, None]) & steps[:, None]
+        d_gam = tl.sum(tl.where(diag, sdp, 0.0), axis=1)
+        inter_k = step_sums(inter_k_rows, RP)  # Kr . dstates[c + 1] PsiV per step
+        d_ts = tl.sum(e * sdp, axis=0) + tl.exp(rev) * inter_k
+        d_rev = trap_scale * tl.exp(rev) * inter_k
+        d_cs = step_sums(d_cs_rows, RP)
+        # the state recurrence's decay of the entering state over the chunk, exp(da_cs[end])
+        end_decay = tl.exp(tl.load(da_cs + row + C - 1))
+        d_cs += tl.where(ts == C - 1, carried * end_decay, 0.0)
+        d_seg = sdp * e * trap_scale[None, :]  # [i, j], zero unless j < i
+        # ADT[u] enters da_cs[t] for t >= u, da_cs_rev[t] for t < u, segsum[i, j] for j < u <= i
+        u = ts
+        d_x = tl.sum(tl.where(ts[None, :] >= u[:, None], d_cs[None, :], 0.0), axis=1)
+        d_x += tl.sum(tl.where(ts[None, :] < u[:, None], d_rev[None, :], 0.0), axis=1)
+        below = tl.cumsum(d_seg, axis=1) - d_seg  # [i, u]: sum over j < u
+        d_x += tl.sum(tl.where(ts[:, None] >= u[None, :], below, 0.0), axis=0)
+        tl.store(d_gamma + row + ts, d_gam, mask=steps)
+        tl.store(d_trap_scale + row + ts, d_ts, mask=steps)
+        tl.store(d_adt + row + ts, d_x, mask=steps)
+        # the next head reads this head's dQ and dK sums: the barrier orders them
+        tl.debug_barrier()
 
 
-# blocks and launch options, chosen offline (tests/offline.py --operator, sm_90, N128_P64_R4_C16):
-# with 16-pair N blocks and 8 warps chunk_grads spills 64 bytes per thread in 80 KB of shared
-# memory (32-pair blocks: 114 KB; 4 warps: 1.3-1.9 KB of spill); the reverse scan's 64-pair
-# blocks at 8 warps spill 80 bytes (4 warps: 744). Loops load in place (one stage).
-BLOCK_PAIRS, BLOCK_P, STATE_BLOCK_PAIRS = 16, 64, 64
+# blocks and launch options, chosen offline (tests/offline.py --operator, sm_90, the official
+# shapes): 16-pair N blocks, 32-column P blocks and 8 warps keep chunk_grads within 64 KB of
+# shared memory and 192-664 bytes of spill per thread (the loop over a group's heads took
+# 0.3-0.6 KB more; 32-pair blocks needed 114 KB, 4 warps spilled 1.3-1.9 KB); the reverse scan's
+# 64-pair blocks spill at most 96 bytes. Loops load in place (one stage).
+BLOCK_PAIRS, BLOCK_P, STATE_BLOCK_PAIRS = 16, 32, 64
 OPTIONS = dict(num_warps=8, num_stages=1)
 
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
                 segsum, dy, states, d_final_state=None, consts, precision: str) -> dict:
     """The gradients of raw_y given dy = d raw_y [B, S_pad, R, H, P] fp32, for padded inputs
-    (whole chunks of C steps, U = 1) and step_terms' tables: a dict of fp32 tensors dqb, dkb
-    [B, S_pad, R, H, N] (of q + q_bias, k + k_bias per value head), dpsiv [B, S_pad, R, H, P],
-    d_angles [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad], and dstates
+    (whole chunks of C steps, U = 1) and step_terms' tables: a dict of fp32 tensors dq, dk
+    [B, S_pad, R, G, N], the per-chunk shares of the bias gradients part_qb, part_kb
+    [B, nc, H, R, N], dv [B, S_pad, H, P], d_angles
+    [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad], the per-chunk shares of dPsi
+    (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc]; d given), and dstates
     [B, H, nc + 1, N, P]. states: the fp32 states entering each chunk [B, H, nc, N, P];
     d_final_state [B, H, N, P] or None. consts: the kernels' constants of the padded call with
     U = 1 (step_terms' Q_DECAY is then exp(da_cs)); `precision` the dots' input precision."""
@@ -223,8 +274,11 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     dstates = torch.zeros(B, H, nc + 1, N, P, **f32)
     if d_final_state is not None:
         dstates[:, :, nc] = d_final_state
-    out = dict(dqb=torch.empty(B, S_pad, R, H, N, **f32), dkb=torch.empty(B, S_pad, R, H, N, **f32),
-               dpsiv=torch.empty(B, S_pad, R, H, P, **f32),
+    out = dict(dq=torch.empty(B, S_pad, R, G, N, **f32), dk=torch.empty(B, S_pad, R, G, N, **f32),
+               part_qb=torch.empty(B, nc, H, R, N, **f32),
+               part_kb=torch.empty(B, nc, H, R, N, **f32),
+               dv=torch.empty(B, S_pad, H, P, **f32), part_psi=torch.empty(B * H, nc, R, P, **f32),
+               part_d=torch.empty(B * H, nc, **f32),
                d_angles=torch.empty(B, S_pad, H, m.RD, **f32),
                d_gamma=torch.empty(B, H, S_pad, **f32), d_trap_scale=torch.empty(B, H, S_pad, **f32),
                d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates)
@@ -232,7 +286,7 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     TP, RP = m.TP, m.RP
     BJ, BP = max(16, min(BLOCK_PAIRS, next_pow2(N // 2))), max(16, min(BLOCK_P, next_pow2(P)))
     qs, ks, vs = q.stride(), k.stride(), v.stride()
-    common = dict(S_pad=S_pad, n_bh=B * H, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
+    common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
                   N=N, P=P, RD=m.RD, sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
                   TP=TP, RP=RP, BJ=BJ, BP=BP, PREC=precision)
     tables = dict(terms=terms, cos=cos, sin=sin)
@@ -240,12 +294,13 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
         SBJ = max(16, min(STATE_BLOCK_PAIRS, next_pow2(N // 2)))
         state_grad_kernel[(B * H, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, BP))](
             q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, **tables,
-            **dict(common, BJ=SBJ), **OPTIONS)
-        chunk_grads_kernel[(B * H * nc,)](
+            n_bh=B * H, **dict(common, BJ=SBJ), **OPTIONS)
+        chunk_grads_kernel[(B * G * nc,)](
             q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,
             da_cs_rev=da_cs_rev, segsum=segsum, dy=dy, states=states, dstates=dstates,
-            dqb=out["dqb"], dkb=out["dkb"], dpsiv=out["dpsiv"], d_angles=out["d_angles"],
+            dq=out["dq"], dk=out["dk"], part_qb=out["part_qb"], part_kb=out["part_kb"],
+            dv=out["dv"], part_psi=out["part_psi"], part_d=out["part_d"], d_angles=out["d_angles"],
             d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"], d_adt=out["d_adt"],
             skb=ks[0], sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1],
-            svh=vs[2], svp=vs[3], HAS_D=m.HAS_D, **tables, **common, **OPTIONS)
+            svh=vs[2], svp=vs[3], n_bg=B * G, G=G, HAS_D=m.HAS_D, **tables, **common, **OPTIONS)
     return out

@@ -109,21 +109,17 @@ def state_block(at, j0, p0, HALF, P, BJ: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
-def chunk_pointers(q, k, v, mimo_v, cos, sin, t, r, n_bh, S_pad, H, HG, R, C, N, P, RD, sqb, sqs,
-                   sqr, sqg, skb, sks, skr, skg, svb, svs, svh):
-    """Where the program of grid axis 0's (b*h, chunk) pair (b*h fastest) reads: (bh, c, b, h)
-    (64-bit), the chunk's first step `row` in the [B*H, S_pad] planes, q and k at the chunk's
-    first step with the rows' offsets, cos/sin at that step with theirs, the rows' bias offsets,
-    v at the chunk's first step and the head's mimo_v block."""
-    pid = tl.program_id(0)
-    bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
-    b, h = bh // H, bh % H
+def chunk_pointers(q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb,
+                   sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh):
+    """Where the program of chunk c of (b, h) (64-bit) reads: the chunk's first step `row` in
+    the [B*H, S_pad] planes, q and k at the chunk's first step with the rows' offsets, cos/sin
+    at that step with theirs, the rows' bias offsets, v at the chunk's first step and the
+    head's mimo_v block."""
     s0 = c * C
-    row = bh * S_pad + s0
+    row = (b * H + h) * S_pad + s0
     g = h // HG
     q_at, qrow = q + b * sqb + g * sqg + s0 * sqs, t * sqs + r * sqr
     k_at, krow = k + b * skb + g * skg + s0 * sks, t * sks + r * skr
     cos_at, sin_at, cs_off = cos + row * RD, sin + row * RD, t * RD
     v_at, mv_at = v + b * svb + h * svh + s0 * svs, mimo_v + h * R * P
-    return (bh, c, b, h, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, (h * R + r) * N,
-            v_at, mv_at)
+    return (row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, (h * R + r) * N, v_at, mv_at)

@@ -235,8 +235,7 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         da_cs_rev=c["da_cs_rev"], segsum=c["segsum"], dy=dy, states=c["states"],
         d_final_state=None if d_state is None else d_state.transpose(-1, -2), consts=m,
         precision=m.PREC)
-    HG = H // G
-    dqb, dkb, dpsiv = g["dqb"][:, :S], g["dkb"][:, :S], g["dpsiv"][:, :S]
+    dK = g["dk"][:, :S]
     d_angles = g["d_angles"][:, :S]
     if d_k is not None:
         # final_k = rot(K + K_bias)[S - 1]: its gradient rotated back, and the angle's share
@@ -248,8 +247,11 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         back = d_k.float().clone()
         back[..., :RD] = cos * g1 + sin * g2
         back[..., half:half + RD] = cos * g2 - sin * g1
-        dkb = dkb.clone()
-        dkb[:, S - 1] += back
+        # final_k is per value head: its gradient joins dK over the heads of a group, and
+        # K_bias's per head
+        dK = dK.clone()
+        dK[:, S - 1] += back.view(B, R, G, H // G, N).sum(3)
+        d_k_bias = back.sum(0).transpose(0, 1)
         d_angles = d_angles.clone()
         d_angles[:, S - 1] += (g2 * kr[..., :RD] - g1 * kr[..., half:half + RD]).sum(1)
     if d_angle0 is not None:
@@ -265,16 +267,14 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     DT = x["DT"]
     d_dt = d_gamma * sig + d_shift * (1 - sig) + d_dt_angles
     d_trap = (d_gamma - d_shift) * DT * sig * (1 - sig)
-    v = x["V"].float()
-    psi = x["MIMO_V"].transpose(0, 1)  # [R, H, P]
-    dV = (dpsiv * psi).sum(2)
+    dV = g["dv"][:, :S]
     if d_v is not None:
         dV[:, S - 1] += d_v
+    k_bias = g["part_kb"].sum((0, 1))
     grads = dict(
-        Q=dqb.reshape(B, S, R, G, HG, N).sum(4), K=dkb.reshape(B, S, R, G, HG, N).sum(4),
-        V=dV, ADT=g["d_adt"][..., :S], DT=d_dt, Trap=d_trap,
-        Q_bias=dqb.sum((0, 1)).transpose(0, 1), K_bias=dkb.sum((0, 1)).transpose(0, 1),
-        MIMO_V=(dpsiv * v[:, :, None]).sum((0, 1)).transpose(0, 1),
+        Q=g["dq"][:, :S], K=dK, V=dV, ADT=g["d_adt"][..., :S], DT=d_dt, Trap=d_trap,
+        Q_bias=g["part_qb"].sum((0, 1)), K_bias=k_bias if d_k is None else k_bias + d_k_bias,
+        MIMO_V=g["part_psi"].view(B, H, nc, R, P).sum((0, 2)),
         Angles=d_raw_angles)
     if pb.has_z:
         grads["Z"] = dz[:, :S]
@@ -282,7 +282,7 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if x["MIMO_Out"] is not None:
         grads["MIMO_Out"] = part_o.view(B, H, nc, R, P).sum((0, 2))
     if pb.has_d:
-        grads["D"] = (dy[:, :S] * psi * v[:, :, None]).sum((0, 1, 2, 4))
+        grads["D"] = g["part_d"].view(B, H, nc).sum((0, 2))
     if x["fuse_norm"] and x["norm_weight"] is not None:
         grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
