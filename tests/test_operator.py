@@ -7,9 +7,10 @@ input dtype; the GPU runs them at the kernels' precision)."""
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, requires_gpu, seed_for
 from test_reference_operator import INPUT_NAMES, make_args
 from mamba3_mimo import mamba3_mimo
+from mamba3_mimo.inputs import official_shapes, operator_inputs
 from mamba3_mimo.reference import mamba3_mimo_reference, mamba3_mimo_stepwise
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
 
@@ -213,3 +214,23 @@ def test_operator_in_several_blocks(monkeypatch, op_kw, make_kw):
     errors.update({f"d{n}": rel_rms(got_grads[n].cpu(), want_grads[n]) for n in want_grads})
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
     assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape", official_shapes(B=1), ids=lambda s: s.name)
+def test_official_shapes_accuracy(shape):
+    """Every official model shape at full length (S = 2048, H = 16, one batch entry: the errors
+    are per element), bf16, Z and D on: the output, the final states and every gradient within
+    the bf16 threshold of the float64 chunked reference (run on the GPU)."""
+    args = operator_inputs(shape, torch.float64, seed=seed_for(shape.name))
+    ours, _ = _leaves(args, torch.bfloat16, DEVICE, None)
+    got_out, got_grads = _run(mamba3_mimo, ours, None, {})
+    ref = {k: (v.detach().double().requires_grad_(True) if isinstance(v, torch.Tensor) else v)
+           for k, v in ours.items()}
+    ref["dtype"] = F64
+    want_out, want_grads = _run(mamba3_mimo_reference, ref, None, {})
+    errors = {n: rel_rms(got_out[n], want_out[n]) for n in OUT_NAMES}
+    errors.update({f"d{n}": rel_rms(got_grads[n], want_grads[n]) for n in want_grads})
+    print(f"\n{shape.name} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.bfloat16]}
+    assert not bad, f"relative RMS errors above {THRESHOLDS[torch.bfloat16]}: {bad}"
