@@ -10,7 +10,7 @@ import torch
 from conftest import DEVICE, requires_gpu, seed_for
 from test_reference_operator import INPUT_NAMES, make_args
 from mamba3_mimo import mamba3_mimo
-from mamba3_mimo.inputs import official_shapes, operator_inputs
+from mamba3_mimo.inputs import Shape, official_shapes, operator_inputs
 from mamba3_mimo.reference import mamba3_mimo_reference, mamba3_mimo_stepwise
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
 
@@ -234,3 +234,22 @@ def test_official_shapes_accuracy(shape):
     print(f"\n{shape.name} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.bfloat16]}
     assert not bad, f"relative RMS errors above {THRESHOLDS[torch.bfloat16]}: {bad}"
+
+
+@requires_gpu
+def test_new_batch_or_length_never_recompiles():
+    """After a model's first forward and backward, other batch sizes and lengths (multiples of
+    the chunk or not, shorter than a chunk) compile nothing: every B- and S-dependent integer
+    of the operator's kernels is left unspecialised, and a chunk longer than S runs as one
+    chunk of whole kernel tiles."""
+    from test_gpu import compiled_count
+    shape = Shape(1, 256, 4, 1, 64, 64, 4, 16)
+    counts = []
+    for B, S in [(1, 256), (2, 512), (3, 1000), (1, 77), (2, 5)]:
+        s = Shape(B, S, shape.H, shape.G, shape.N, shape.P, shape.R, shape.C)
+        a, _ = _leaves(operator_inputs(s, F64, seed=seed_for(B, S)), torch.bfloat16, DEVICE,
+                       None)
+        mamba3_mimo(**a).float().sum().backward()
+        torch.cuda.synchronize()
+        counts.append(compiled_count())
+    assert counts[0] > 0 and counts == counts[:1] * len(counts), counts

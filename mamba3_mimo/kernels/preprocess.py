@@ -31,7 +31,7 @@ def _tanh(x):
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
-@triton.jit(do_not_specialize=["S", "sab", "sdb", "sob"])
+@triton.jit(do_not_specialize=["S", "sab", "sdb", "sdh", "sob"])
 def angle_sum_kernel(angles_raw, dt, angles, d_angles, d_angles_raw, d_dt, S, H, RD, sab, sas,
                      sah, sar, sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr, BR: tl.constexpr,
                      TWO_PI: tl.constexpr, REVERSE: tl.constexpr):
@@ -86,7 +86,7 @@ def angle_sum_kernel(angles_raw, dt, angles, d_angles, d_angles_raw, d_dt, S, H,
             carry = tl.sum(tl.where((i == BS - 1)[:, None], total, 0.0), axis=0)
 
 
-@triton.jit(do_not_specialize=["S", "n_bh", "sab", "sah"])
+@triton.jit(do_not_specialize=["S", "n_bh", "nc", "sab", "sah"])
 def decay_pieces_kernel(adt, da_cs, da_cs_rev, segsum, S, n_bh, nc, C, sab, sah, sas, H,
                         CP: tl.constexpr):
     """One (b*h, chunk) per program (b*h fastest on grid axis 0): with x the chunk's ADT (zero

@@ -20,7 +20,7 @@ from ..problem import Problem
 from ..runtime import resources
 from ..runtime.device import check_device, on_device
 from ..runtime.plans import placeholder
-from .bwd_fwd import INPUT_DTYPES, check_tensor
+from .bwd_fwd import INPUT_DTYPES, check_tensor, one_chunk_size
 
 Tensor = torch.Tensor
 
@@ -101,9 +101,12 @@ def _pad_steps(x: Optional[Tensor], dim: int, S_pad: int) -> Optional[Tensor]:
 
 
 def kernel_chunk(pb: Problem) -> int:
-    """The chunk length the kernels run: the model's chunk_size (at most S), split to whole
-    kernel tiles (configs.kernel_chunk_size); the outputs do not depend on it."""
-    return configs.kernel_chunk_size(min(pb.C, pb.S), pb.R)
+    """The chunk length the kernels run: the model's chunk_size, or for a chunk_size beyond S
+    one chunk of whole kernel tiles (bwd_fwd.one_chunk_size: the same compiled kernels for
+    every such S), split to whole kernel tiles (configs.kernel_chunk_size). The outputs do not
+    depend on it."""
+    C = pb.C if pb.C <= pb.S else one_chunk_size(pb.C, pb.S, pb.R)
+    return configs.kernel_chunk_size(C, pb.R)
 
 
 def prepare(pb: Problem, x: dict) -> dict:
