@@ -253,3 +253,22 @@ def test_new_batch_or_length_never_recompiles():
         torch.cuda.synchronize()
         counts.append(compiled_count())
     assert counts[0] > 0 and counts == counts[:1] * len(counts), counts
+
+
+def test_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True) of a function calling the operator (with return_state and
+    the fused norm) traces it as its custom ops, with no graph break, and gives the eager
+    outputs and gradients bit for bit (aot_eager on the CPU; Inductor on a GPU)."""
+    args = make_args(B=1, S=7, H=2, G=1, R=2, N=8, P=6, chunk_size=4)
+    w = torch.ones(2, 6, dtype=F64)
+    op_kw = dict(fuse_pregate_headwise_rms_norm=True)
+    eager_args, ew = _leaves(args, torch.float32, DEVICE, w)
+    want_out, want_grads = _run(mamba3_mimo, eager_args, ew, op_kw)
+    compiled = torch.compile(mamba3_mimo, fullgraph=True,
+                             backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    comp_args, cw = _leaves(args, torch.float32, DEVICE, w)
+    got_out, got_grads = _run(compiled, comp_args, cw, op_kw)
+    for name in OUT_NAMES:
+        assert torch.equal(got_out[name], want_out[name]), name
+    for name, g in want_grads.items():
+        assert torch.equal(got_grads[name], g), name

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -171,46 +171,122 @@ def _final_k(pb: Problem, x: dict, angle: Tensor) -> Tensor:
     return out
 
 
+TENSOR_ARGS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V", "MIMO_Z",
+               "MIMO_Out", "Angles", "D", "Z", "norm_weight")
+
+
+def _forward(pb: Problem, x: dict) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, final_angle, final_state, final_k, final_v) of a validated call."""
+    c = prepare(pb, x)
+    m = c["m"]
+    dev, stand = pb.device, placeholder(pb.device)
+    ranks = () if x["MIMO_Out"] is not None else (pb.R,)
+    out = torch.empty(pb.B, m.S_pad, *ranks, pb.H, pb.P, device=dev, dtype=x["Q"].dtype)
+    final_state = torch.empty(pb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
+    chunk_forward.launch(**_output_args(pb, x, c), dout=stand, out=out, dy=stand, dz=stand,
+                         part_o=stand, part_z=stand, part_w=stand, final_state=final_state,
+                         grad=False)
+    angle = c["angles"][:, pb.S - 1].clone()  # [B, H, RD]
+    return (out[:, :pb.S].contiguous(), angle, final_state, _final_k(pb, x, angle),
+            x["V"][:, -1].clone())
+
+
 class Mamba3Mimo(torch.autograd.Function):
     """out (and the final states) from the raw inputs; the backward recomputes what it needs
     from the inputs, which is all that is saved."""
 
     @staticmethod
-    def forward(ctx, pb: Problem, opts: dict, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
-                MIMO_Z, MIMO_Out, Angles, D, Z, norm_weight):
-        x = dict(opts, Q=Q, K=K, V=V, ADT=ADT, DT=DT, Trap=Trap, Q_bias=Q_bias, K_bias=K_bias,
-                 MIMO_V=MIMO_V, MIMO_Z=MIMO_Z, MIMO_Out=MIMO_Out, Angles=Angles, D=D, Z=Z,
-                 norm_weight=norm_weight)
-        c = prepare(pb, x)
-        m = c["m"]
-        dev, stand = pb.device, placeholder(pb.device)
-        ranks = () if MIMO_Out is not None else (pb.R,)
-        out = torch.empty(pb.B, m.S_pad, *ranks, pb.H, pb.P, device=dev, dtype=Q.dtype)
-        final_state = torch.empty(pb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
-        chunk_forward.launch(**_output_args(pb, x, c), dout=stand, out=out, dy=stand, dz=stand,
-                             part_o=stand, part_z=stand, part_w=stand, final_state=final_state,
-                             grad=False)
+    def forward(ctx, pb: Problem, opts: dict, *tensors):
+        x = dict(opts, **dict(zip(TENSOR_ARGS, tensors)))
+        outs = _forward(pb, x)
         ctx.pb, ctx.opts = pb, opts
-        ctx.save_for_backward(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out,
-                              Angles, D, Z, norm_weight)
-        out = out[:, :pb.S]
-        if not opts["return_state"]:
-            return out
-        angle = c["angles"][:, pb.S - 1]  # [B, H, RD]
-        final_k = _final_k(pb, x, angle)
-        final_v = V[:, -1].clone()
-        return out, angle.clone(), final_state, final_k, final_v
+        ctx.save_for_backward(*tensors)
+        return outs if opts["return_state"] else outs[0]
 
     @staticmethod
     def backward(ctx, d_out, *d_states):
-        pb, opts = ctx.pb, ctx.opts
-        (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
-         norm_weight) = ctx.saved_tensors
-        x = dict(opts, Q=Q, K=K, V=V, ADT=ADT, DT=DT, Trap=Trap, Q_bias=Q_bias, K_bias=K_bias,
-                 MIMO_V=MIMO_V, MIMO_Z=MIMO_Z, MIMO_Out=MIMO_Out, Angles=Angles, D=D, Z=Z,
-                 norm_weight=norm_weight)
-        with on_device(pb.device):
-            return (None, None) + _backward(pb, x, d_out, d_states)
+        x = dict(ctx.opts, **dict(zip(TENSOR_ARGS, ctx.saved_tensors)))
+        with on_device(ctx.pb.device):
+            return (None, None) + _backward(ctx.pb, x, d_out, d_states)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+# Under torch.compile the operator is a pair of torch.library custom ops with fake (meta)
+# implementations and a registered autograd formula, so that Dynamo keeps it in the graph. The
+# ops always return the four final states (cheap next to the output); an absent gradient is an
+# empty tensor in the backward op's outputs (an op's outputs cannot be None).
+
+def _problem(t: dict, chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool) -> Problem:
+    return validate(t["Q"], t["K"], t["V"], t["ADT"], t["DT"], t["Trap"], t["Q_bias"],
+                    t["K_bias"], t["MIMO_V"], t["MIMO_Z"], t["MIMO_Out"], t["Angles"], t["D"],
+                    t["Z"], chunk_size, rotary_dim_divisor, None, None, fuse_norm,
+                    t["norm_weight"])
+
+
+@torch.library.custom_op("mamba3_mimo::operator_fwd", mutates_args=())
+def _fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
+            Q_bias: Tensor, K_bias: Tensor, MIMO_V: Tensor, MIMO_Z: Optional[Tensor],
+            MIMO_Out: Optional[Tensor], Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
+            norm_weight: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
+            fuse_norm: bool, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
+                               MIMO_Out, Angles, D, Z, norm_weight)))
+    pb = _problem(t, chunk_size, rotary_dim_divisor, fuse_norm)
+    with on_device(pb.device):
+        return _forward(pb, dict(t, fuse_norm=fuse_norm, eps=eps))
+
+
+@_fwd_op.register_fake
+def _fwd_fake(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+              norm_weight, chunk_size, rotary_dim_divisor, fuse_norm, eps):
+    B, S, R, _, N = Q.shape
+    H, P = V.shape[2], V.shape[3]
+    ranks = () if MIMO_Out is not None else (R,)
+    f32 = torch.float32
+    return (Q.new_empty(B, S, *ranks, H, P), Q.new_empty(B, H, Angles.shape[-1], dtype=f32),
+            Q.new_empty(B, H, P, N, dtype=f32), Q.new_empty(B, R, H, N, dtype=f32),
+            V.new_empty(B, H, P))
+
+
+@torch.library.custom_op("mamba3_mimo::operator_bwd", mutates_args=())
+def _bwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
+            Q_bias: Tensor, K_bias: Tensor, MIMO_V: Tensor, MIMO_Z: Optional[Tensor],
+            MIMO_Out: Optional[Tensor], Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
+            norm_weight: Optional[Tensor], d_out: Tensor, d_angle: Optional[Tensor],
+            d_state: Optional[Tensor], d_k: Optional[Tensor], d_v: Optional[Tensor],
+            chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool,
+            eps: float) -> List[Tensor]:
+    t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
+                               MIMO_Out, Angles, D, Z, norm_weight)))
+    pb = _problem(t, chunk_size, rotary_dim_divisor, fuse_norm)
+    with on_device(pb.device):
+        grads = _backward(pb, dict(t, fuse_norm=fuse_norm, eps=eps), d_out,
+                          (d_angle, d_state, d_k, d_v))
+    return [Q.new_empty(0) if g is None else g.contiguous() for g in grads]
+
+
+@_bwd_op.register_fake
+def _bwd_fake(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+              norm_weight, d_out, d_angle, d_state, d_k, d_v, chunk_size, rotary_dim_divisor,
+              fuse_norm, eps):
+    inputs = (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+              norm_weight)
+    return [Q.new_empty(0) if x is None else x.new_empty(x.shape) for x in inputs]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:len(TENSOR_ARGS)])
+    ctx.scalars = inputs[len(TENSOR_ARGS):]
+
+
+def _op_backward(ctx, d_out, d_angle, d_state, d_k, d_v):
+    grads = _bwd_op(*ctx.saved_tensors, d_out, d_angle, d_state, d_k, d_v, *ctx.scalars)
+    tensors = ctx.saved_tensors
+    return tuple(None if x is None or not ctx.needs_input_grad[i] else g
+                 for i, (x, g) in enumerate(zip(tensors, grads))) + (None,) * len(ctx.scalars)
+
+
+_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
@@ -316,12 +392,18 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
     final_state [B, H, P, N], final_k [B, R, H, N] (fp32) and final_v [B, H, P]; every output
     is differentiable. Gradients come for every tensor input that requires grad, in its dtype.
     Raises ValueError / TypeError naming a bad argument, NotImplementedError for cu_seqlens and
-    an unsupported device."""
+    an unsupported device. Under torch.compile it is the custom ops `mamba3_mimo::operator_fwd`
+    and `operator_bwd` (no graph break)."""
     pb = validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D,
                   Z, chunk_size, rotary_dim_divisor, dtype, cu_seqlens,
                   fuse_pregate_headwise_rms_norm, outproj_norm_weight)
     opts = dict(return_state=bool(return_state), fuse_norm=bool(fuse_pregate_headwise_rms_norm),
                 eps=float(outproj_norm_eps))
+    if torch.compiler.is_compiling():
+        outs = _fwd_op(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles,
+                       D, Z, outproj_norm_weight, chunk_size, rotary_dim_divisor,
+                       opts["fuse_norm"], opts["eps"])
+        return outs if opts["return_state"] else outs[0]
     with on_device(pb.device):
         return Mamba3Mimo.apply(pb, opts, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
                                 MIMO_Z, MIMO_Out, Angles, D, Z, outproj_norm_weight)
