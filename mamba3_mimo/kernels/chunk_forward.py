@@ -8,7 +8,6 @@ GRAD runs the same program in the backward, given d out: instead of the output i
 dy = d raw_y (fp32, for chunk_grads), d z, and per-chunk partial sums of the gradients of
 MIMO_Out, MIMO_Z and the norm's weight, reduced on the host over batch and chunks (a fixed
 order: deterministic). Without GRAD, the last chunk's program also writes the final state."""
-import torch
 import triton
 import triton.language as tl
 

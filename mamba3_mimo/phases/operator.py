@@ -9,13 +9,12 @@ First form: whole-chunk kernels (not yet tuned) and the tail padded by host-side
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Tuple
 
 import torch
 
 from .. import configs
-from ..kernels import cdiv, chunk_forward, chunk_grads, chunk_state, preprocess, step_terms
+from ..kernels import chunk_forward, chunk_grads, chunk_state, preprocess, step_terms
 from ..problem import Problem
 from ..runtime import resources
 from ..runtime.device import check_device, on_device
