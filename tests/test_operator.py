@@ -272,3 +272,32 @@ def test_torch_compile_fullgraph():
         assert torch.equal(got_out[name], want_out[name]), name
     for name, g in want_grads.items():
         assert torch.equal(got_grads[name], g), name
+
+
+def test_non_contiguous_inputs():
+    """Q, K, V, Z, Trap and the per-step inputs as strided views (every other step of longer
+    tensors, heads and steps transposed): the results of contiguous copies, bit for bit. S is a
+    multiple of chunk_size, so that no padding copy makes them contiguous on the way."""
+    args = make_args(B=1, S=8, H=2, G=2, R=2, N=8, P=6, chunk_size=4)
+    dense, _ = _leaves(args, torch.float32, DEVICE, None)
+    strided = {}
+    for name, x in dense.items():
+        if not isinstance(x, torch.Tensor):
+            strided[name] = x
+        elif name in ("Q", "K", "V", "Z"):  # every other step of a tensor twice as long
+            wide = torch.zeros(x.shape[0], 2 * x.shape[1], *x.shape[2:], dtype=x.dtype,
+                               device=x.device)
+            wide[:, ::2] = x.detach()
+            strided[name] = wide[:, ::2].requires_grad_(True)
+        elif name in ("ADT", "DT", "Trap"):  # [B, S, H] transposed to [B, H, S]
+            strided[name] = x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+            strided[name].requires_grad_(True)
+        else:
+            strided[name] = x.detach().clone().requires_grad_(True)
+    assert not strided["Z"].is_contiguous() and not strided["DT"].is_contiguous()
+    want_out, want_grads = _run(mamba3_mimo, dense, None, {})
+    got_out, got_grads = _run(mamba3_mimo, strided, None, {})
+    for name in OUT_NAMES:
+        assert torch.equal(got_out[name], want_out[name]), name
+    for name, g in want_grads.items():
+        assert torch.equal(got_grads[name], g), name

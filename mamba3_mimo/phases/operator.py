@@ -117,8 +117,11 @@ def prepare(pb: Problem, x: dict) -> dict:
     m = dataclasses.replace(configs.constants(kpb), U=1)
     S_pad = m.S_pad
     a = {name: _pad_steps(x[name], 1, S_pad) for name in ("Q", "K", "V", "Z")}
+    if a["Z"] is not None:
+        a["Z"] = a["Z"].contiguous()  # chunk_forward reads z (and dout, out, dz) contiguous
+    # step_terms reads DT and Trap as contiguous [B*H, S_pad] rows
     for name in ("DT", "Trap", "ADT"):
-        a[name] = _pad_steps(x[name], 2, S_pad)
+        a[name] = _pad_steps(x[name], 2, S_pad).contiguous()
     angles = _pad_steps(preprocess.angle_sum(x["Angles"], x["DT"]), 1, S_pad)
     # ADT zero-padded: past S, da_cs keeps its last value and nothing decays
     a["da_cs"], a["da_cs_rev"], a["segsum"] = preprocess.decay_pieces(a["ADT"], C)
