@@ -301,3 +301,30 @@ def test_non_contiguous_inputs():
         assert torch.equal(got_out[name], want_out[name]), name
     for name, g in want_grads.items():
         assert torch.equal(got_grads[name], g), name
+
+
+def test_far_batches():
+    """Q and V whose batch stride is 2**32 elements (views of buffers of 2**32 + one batch,
+    virtual memory barely touched) give the contiguous call's output and gradients: the
+    kernels' batch offsets are 64-bit."""
+    from test_hardening import _far_batches
+    args = make_args(B=2, S=8, H=2, G=1, R=2, N=8, P=6, chunk_size=4)
+    dense, _ = _leaves(args, torch.float32, DEVICE, None)
+    far = {k: (v.detach().clone().requires_grad_(True) if isinstance(v, torch.Tensor) else v)
+           for k, v in dense.items()}
+    for name in ("Q", "V"):
+        far[name] = _far_batches(dense[name].detach()).requires_grad_(True)
+    want_out, want_grads = _run(mamba3_mimo, dense, None, {})
+    got_out, got_grads = _run(mamba3_mimo, far, None, {})
+    for name in OUT_NAMES:
+        assert torch.equal(got_out[name], want_out[name]), name
+    for name, g in want_grads.items():
+        assert torch.equal(got_grads[name], g), name
+
+
+def test_sparse_input_is_refused():
+    args = make_args(B=1, S=5, H=2, G=1, R=2, N=8, P=4, chunk_size=2)
+    a, _ = _leaves(args, torch.float32, DEVICE, None)
+    a["Q"] = a["Q"].detach().to_sparse()
+    with pytest.raises(TypeError, match="Q must be a dense"):
+        mamba3_mimo(**a)

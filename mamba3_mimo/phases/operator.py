@@ -36,6 +36,8 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
     if not isinstance(Q, Tensor) or Q.dim() != 5:
         raise ValueError("Q must be a 5-dim tensor [B, S, R, G, N]"
                          + (f", got shape {list(Q.shape)}" if isinstance(Q, Tensor) else ""))
+    if Q.layout is not torch.strided:
+        raise TypeError(f"Q must be a dense (strided) tensor, got layout {Q.layout}")
     if Q.dtype not in INPUT_DTYPES:
         raise TypeError(f"Q must be float16, bfloat16 or float32, got {Q.dtype}")
     if dtype is not None and dtype != Q.dtype:
