@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The one script run on the H200 through the device tool: GPU tests and/or the benchmark.
-# Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all|sanitize|validate] [bench options]
+# Usage: OUT=/existing/dir bash scripts/gpu_check.sh [tests|bench|all|sanitize|validate|operator]
+#   [bench options]
+# operator: the whole operator's tests (printing each official shape's errors) and its
+# benchmark (python -m mamba3_mimo.bench_operator, options passed on) into $OUT/operator.log
+# and $OUT/operator/results.{json,md,png}.
 # validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
 # $OUT/san.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
@@ -13,14 +17,26 @@ set -o pipefail
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$part" in
-  tests|bench|all|sanitize|validate) ;;
-  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate] [bench options]" >&2; exit 2 ;;
+  tests|bench|all|sanitize|validate|operator) ;;
+  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator] [bench options]" >&2
+     exit 2 ;;
 esac
 if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
   echo "OUT must name an existing folder (got '${OUT:-}')" >&2
   exit 2
 fi
 cd "$(dirname "$0")/.." || exit 2
+if [ "$part" = operator ]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  status=0
+  timeout "${TEST_TIMEOUT:-600}" "${PYTHON:-python3}" -m pytest -q -s -p no:cacheprovider \
+    tests/test_operator.py tests/test_chunk_grads.py tests/test_preprocess.py \
+    > "$OUT/operator.log" 2>&1 || status=$?
+  grep -E "^N[0-9]+_|passed|failed|error" "$OUT/operator.log"
+  TRITON_CACHE_DIR="$(mktemp -d)" timeout "${BENCH_TIMEOUT:-1500}" "${PYTHON:-python3}" \
+    -m mamba3_mimo.bench_operator --out "$OUT/operator" "$@" 2>&1 | tail -40 || status=$?
+  exit "$status"
+fi
 if [ "$part" = validate ]; then
   # the sanitizer's time is mostly compilation on the CPU, so the two share the machine well
   mkdir -p "$OUT/san"
