@@ -48,6 +48,15 @@ def _leaves(args, dtype, device, norm_w):
     return out, w
 
 
+def _assert_identical(got_out, got_grads, want_out, want_grads):
+    """Every output and gradient equal bit for bit."""
+    for name in OUT_NAMES:
+        assert torch.equal(got_out[name], want_out[name]), name
+    assert set(got_grads) == set(want_grads)
+    for name, g in want_grads.items():
+        assert torch.equal(got_grads[name], g), name
+
+
 def _run(fn, args, w, op_kw, seed=5, **extra):
     outs = fn(**args, return_state=True, outproj_norm_weight=w, **op_kw, **extra)
     gen = torch.Generator().manual_seed(seed)
@@ -268,10 +277,7 @@ def test_torch_compile_fullgraph():
                              backend="inductor" if DEVICE == "cuda" else "aot_eager")
     comp_args, cw = _leaves(args, torch.float32, DEVICE, w)
     got_out, got_grads = _run(compiled, comp_args, cw, op_kw)
-    for name in OUT_NAMES:
-        assert torch.equal(got_out[name], want_out[name]), name
-    for name, g in want_grads.items():
-        assert torch.equal(got_grads[name], g), name
+    _assert_identical(got_out, got_grads, want_out, want_grads)
 
 
 def test_non_contiguous_inputs():
@@ -297,10 +303,7 @@ def test_non_contiguous_inputs():
     assert not strided["Z"].is_contiguous() and not strided["DT"].is_contiguous()
     want_out, want_grads = _run(mamba3_mimo, dense, None, {})
     got_out, got_grads = _run(mamba3_mimo, strided, None, {})
-    for name in OUT_NAMES:
-        assert torch.equal(got_out[name], want_out[name]), name
-    for name, g in want_grads.items():
-        assert torch.equal(got_grads[name], g), name
+    _assert_identical(got_out, got_grads, want_out, want_grads)
 
 
 def test_far_batches():
@@ -316,10 +319,7 @@ def test_far_batches():
         far[name] = _far_batches(dense[name].detach()).requires_grad_(True)
     want_out, want_grads = _run(mamba3_mimo, dense, None, {})
     got_out, got_grads = _run(mamba3_mimo, far, None, {})
-    for name in OUT_NAMES:
-        assert torch.equal(got_out[name], want_out[name]), name
-    for name, g in want_grads.items():
-        assert torch.equal(got_grads[name], g), name
+    _assert_identical(got_out, got_grads, want_out, want_grads)
 
 
 def test_sparse_input_is_refused():
