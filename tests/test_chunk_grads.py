@@ -12,6 +12,7 @@ from mamba3_mimo import configs, reference
 from mamba3_mimo.inputs import Shape, make_inputs
 from mamba3_mimo.kernels import chunk_grads, step_terms
 from mamba3_mimo.phases import bwd_fwd
+from mamba3_mimo.phases.operator import trap_grads
 from mamba3_mimo.problem import Problem
 from mamba3_mimo.runtime.plans import placeholder
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
@@ -50,8 +51,7 @@ def _golden(a, dy, d_final, shape):
 
 
 def _ours(a, dy, d_final, shape, d_skip):
-    """The kernels' gradients, reduced to the inputs' with plain tensor ops (the operator's
-    first form does the same)."""
+    """The kernels' gradients, reduced to the inputs' as the operator reduces them."""
     pb = Problem(B=shape.B, S=shape.S, H=shape.H, G=shape.G, N=shape.N, P=shape.P, R=shape.R,
                  C=shape.C, rotary_dim_divisor=shape.rotary_dim_divisor, dtype=torch.float32,
                  has_z=False, has_d=d_skip, output_dtype=torch.float32,
@@ -79,18 +79,14 @@ def _ours(a, dy, d_final, shape, d_skip):
         dy=dy_pad, states=states.float().contiguous(), d_final_state=d_final, consts=m,
         precision=m.PREC, **t)
     B, H, G, R = shape.B, shape.H, shape.G, shape.R
-    gamma_sig = torch.sigmoid(a["trap"].float())
-    dts = g["d_trap_scale"][..., :S]
-    dgam = g["d_gamma"][..., :S] + dts  # trap_scale = gamma + the next step's term
-    prev = torch.nn.functional.pad(dts[..., :-1], (1, 0))  # trap_scale[t-1]'s share in step t
-    dt = a["dt"]
+    d_dt, d_trap = trap_grads(g["d_gamma"][..., :S], g["d_trap_scale"][..., :S], a["dt"],
+                              a["trap"])
     out = dict(
         q=g["dq"][:, :S], k=g["dk"][:, :S], q_bias=g["part_qb"].sum((0, 1)),
         k_bias=g["part_kb"].sum((0, 1)),
         v=g["dv"][:, :S], mimo_v=g["part_psi"].view(B, H, -1, R, shape.P).sum((0, 2)),
         angles=g["d_angles"][:, :S],
-        dt=dgam * gamma_sig + prev * torch.sigmoid(-a["trap"].float()),
-        trap=dgam * dt * gamma_sig * (1 - gamma_sig) - prev * dt * gamma_sig * (1 - gamma_sig),
+        dt=d_dt, trap=d_trap,
         adt=g["d_adt"][..., :S])
     if d_skip:
         out["d"] = g["part_d"].view(B, H, -1).sum((0, 2))

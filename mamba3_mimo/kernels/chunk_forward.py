@@ -122,8 +122,8 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
         sqg, skb, sks, skr, skg, svb, svs, svh)
     s0 = c * C
-    t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
-        terms, segsum, bh, c, S_pad, nc, plane, R, C, TP, RP)
+    rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
+        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
     st_at = states + (bh * nc + c) * N * P
     d_h = 0.0
     if HAS_D:

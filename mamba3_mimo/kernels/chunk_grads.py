@@ -120,8 +120,8 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
         row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
             q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
             sqg, skb, sks, skr, skg, svb, svs, svh)
-        t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
-            terms, segsum, bh, c, S_pad, nc, plane, R, C, TP, RP)
+        rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
+            terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
         y_base = ((b * S_pad + s0) * R * H + h) * P  # the chunk's first row of dy
         y_at = dy + y_base
         y_row = (t * R + r) * H * P

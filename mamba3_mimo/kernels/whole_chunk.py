@@ -6,7 +6,7 @@ steps."""
 import triton
 import triton.language as tl
 
-from .common import (chunk_rows, load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows)
+from .common import load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows
 from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
 
 
@@ -34,14 +34,13 @@ def step_sums(x, RP: tl.constexpr):
 
 
 @triton.jit
-def chunk_terms(terms, segsum, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr,
-                RP: tl.constexpr):
-    """The per-step terms of chunk c of (b*h) bh (both 64-bit): (t, r, rows) of the rows,
-    (ts, steps) of the steps, gamma and trap_scale per step, K_DECAY and Q_DECAY per row, and the
-    causal weights per pair of steps: E = exp(segsum) before the diagonal (else 0) and
-    W = E trap_scale[t'] + gamma on the diagonal ([TP, TP])."""
+def chunk_terms(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr):
+    """The per-step terms of chunk c of (b*h) bh (both 64-bit), for the rows (t, r) of
+    chunk_rows: which rows exist, the steps ts and which of them exist, gamma and trap_scale
+    per step, K_DECAY and Q_DECAY per row, and the causal weights per pair of steps:
+    E = exp(segsum) before the diagonal (else 0) and W = E trap_scale[t'] + gamma on the
+    diagonal ([TP, TP])."""
     row = bh * S_pad + c * C  # the chunk's first step in the [B*H, S_pad] planes
-    t, r = chunk_rows(TP, RP)
     rows = (t < C) & (r < R)
     ts = tl.arange(0, TP)
     steps = ts < C
@@ -55,7 +54,7 @@ def chunk_terms(terms, segsum, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr,
     e = tl.where(before, tl.exp(seg), 0.0)
     diag = (ts[None, :] == ts[:, None]) & steps[:, None]
     w = e * trap_scale[None, :] + tl.where(diag, gamma[:, None], 0.0)
-    return t, r, rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w
+    return rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w
 
 
 @triton.jit

@@ -55,31 +55,36 @@ def check_tensor(name: str, x, shape: tuple, dtypes: tuple, device: torch.device
     raise ValueError(f"{name} must be on {device} like q, got {x.device}")
 
 
-def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap,
-             segsum, mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype) -> Problem:
-    """The Problem of a call, or TypeError / ValueError naming the first bad argument."""
+def check_dims(q, v, chunk_size, rotary_dim_divisor, q_name: str = "q",
+               v_name: str = "v") -> Tuple[int, ...]:
+    """(B, S, R, G, N, H, P, RD) of q [B, S, R, G, N] and v [B, S, H, P] (named q_name, v_name
+    in the messages), or TypeError / ValueError naming the first bad one: the checks that
+    bwd_fwd and the whole operator share."""
     if not isinstance(q, Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        raise TypeError(f"{q_name} must be a torch.Tensor, got {type(q).__name__}")
     if q.layout is not torch.strided:
-        raise TypeError(f"q must be a dense (strided) tensor, got layout {q.layout}")
+        raise TypeError(f"{q_name} must be a dense (strided) tensor, got layout {q.layout}")
     if q.dim() != 5:
-        raise ValueError(f"q must have 5 dims [B, S, R, G, N], got shape {list(q.shape)}")
+        raise ValueError(f"{q_name} must have 5 dims [B, S, R, G, N], got shape "
+                         f"{list(q.shape)}")
     if q.dtype not in INPUT_DTYPES:
-        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+        raise TypeError(f"{q_name} must be float16, bfloat16 or float32, got {q.dtype}")
     B, S, R, G, N = q.shape
     for name, val in (("B", B), ("S", S), ("R", R), ("G", G), ("N", N)):
         if val < 1:
-            raise ValueError(f"q: dimension {name} must be >= 1, got shape {list(q.shape)}")
+            raise ValueError(f"{q_name}: dimension {name} must be >= 1, got shape "
+                             f"{list(q.shape)}")
     if not isinstance(v, Tensor) or v.dim() != 4:
-        raise ValueError("v must be a 4-dim tensor [B, S, H, P]"
+        raise ValueError(f"{v_name} must be a 4-dim tensor [B, S, H, P]"
                          + (f", got shape {list(v.shape)}" if isinstance(v, Tensor) else ""))
     H, P = v.shape[2], v.shape[3]
     if H < 1 or P < 1:
-        raise ValueError(f"v: H and P must be >= 1, got shape {list(v.shape)}")
+        raise ValueError(f"{v_name}: H and P must be >= 1, got shape {list(v.shape)}")
     if H % G != 0:
-        raise ValueError(f"H (v.shape[2] = {H}) must be a multiple of G (q.shape[3] = {G})")
+        raise ValueError(f"H ({v_name}.shape[2] = {H}) must be a multiple of G "
+                         f"({q_name}.shape[3] = {G})")
     if N % 2 != 0:
-        raise ValueError(f"N (q.shape[4] = {N}) must be even")
+        raise ValueError(f"N ({q_name}.shape[4] = {N}) must be even")
     for name, val in (("chunk_size", chunk_size), ("rotary_dim_divisor", rotary_dim_divisor)):
         if isinstance(val, bool) or not isinstance(val, int):
             raise TypeError(f"{name} must be an int, got {type(val).__name__}")
@@ -91,6 +96,13 @@ def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs
     if RD < 1 or 2 * RD > N:
         raise ValueError(f"rotary_dim_divisor={rotary_dim_divisor} gives RD = N // divisor = {RD}; "
                          f"expected 1 <= RD <= N/2 = {N // 2}")
+    return B, S, R, G, N, H, P, RD
+
+
+def validate(dout, q, k, v, q_bias, k_bias, mimo_v, mimo_o, angles, da_cs, da_cs_rev, dt, trap,
+             segsum, mimo_z, d, z, chunk_size, rotary_dim_divisor, output_dtype) -> Problem:
+    """The Problem of a call, or TypeError / ValueError naming the first bad argument."""
+    B, S, R, G, N, H, P, RD = check_dims(q, v, chunk_size, rotary_dim_divisor)
     if output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {[str(t) for t in OUTPUT_DTYPES]}, "
                          f"got {output_dtype}")
@@ -145,7 +157,7 @@ def signature(tensors: tuple, chunk_size, rotary_dim_divisor, output_dtype,
 
 # ---------------------------------------------------------------------------- host-side rewrites
 
-def _pad_seq(x: Tensor, dim: int, n: int) -> Tensor:
+def pad_steps(x: Tensor, dim: int, n: int) -> Tensor:
     """Append n zeros along dim."""
     shape = list(x.shape)
     shape[dim] = n
@@ -186,9 +198,9 @@ def pad_tail(args: dict, chunk_size: int) -> dict:
     out = dict(args)
     for name in _STEP_DIM1:
         if out.get(name) is not None:
-            out[name] = _pad_seq(out[name], 1, pad)
+            out[name] = pad_steps(out[name], 1, pad)
     for name in _STEP_DIM2:
-        out[name] = _pad_seq(out[name], 2, pad)
+        out[name] = pad_steps(out[name], 2, pad)
     da_cs = args["da_cs"]
     out["da_cs"] = torch.cat([da_cs, da_cs[..., -1:].expand(*da_cs.shape[:-1], pad)], -1)
     last = out["da_cs"][..., -C:]  # the whole last chunk

@@ -19,7 +19,7 @@ from ..problem import Problem
 from ..runtime import resources
 from ..runtime.device import check_device, on_device
 from ..runtime.plans import placeholder
-from .bwd_fwd import INPUT_DTYPES, check_tensor, one_chunk_size
+from .bwd_fwd import check_dims, check_tensor, one_chunk_size, pad_steps
 
 Tensor = torch.Tensor
 
@@ -33,34 +33,9 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
     NotImplementedError for cu_seqlens (packed sequences) and an unsupported device."""
     if cu_seqlens is not None:
         raise NotImplementedError("cu_seqlens (packed sequences) is not supported yet")
-    if not isinstance(Q, Tensor) or Q.dim() != 5:
-        raise ValueError("Q must be a 5-dim tensor [B, S, R, G, N]"
-                         + (f", got shape {list(Q.shape)}" if isinstance(Q, Tensor) else ""))
-    if Q.layout is not torch.strided:
-        raise TypeError(f"Q must be a dense (strided) tensor, got layout {Q.layout}")
-    if Q.dtype not in INPUT_DTYPES:
-        raise TypeError(f"Q must be float16, bfloat16 or float32, got {Q.dtype}")
-    if dtype is not None and dtype != Q.dtype:
+    if dtype is not None and isinstance(Q, Tensor) and dtype != Q.dtype:
         raise TypeError(f"dtype is {dtype} but Q is {Q.dtype}")
-    B, S, R, G, N = Q.shape
-    if min(B, S, R, G, N) < 1:
-        raise ValueError(f"Q: every dimension must be >= 1, got shape {list(Q.shape)}")
-    if not isinstance(V, Tensor) or V.dim() != 4:
-        raise ValueError("V must be a 4-dim tensor [B, S, H, P]"
-                         + (f", got shape {list(V.shape)}" if isinstance(V, Tensor) else ""))
-    H, P = V.shape[2], V.shape[3]
-    if H < 1 or P < 1 or H % G != 0:
-        raise ValueError(f"V: H = {H} must be a positive multiple of G = {G} (Q.shape[3]), "
-                         f"P = {P} positive")
-    if N % 2:
-        raise ValueError(f"N (Q.shape[4] = {N}) must be even")
-    for name, val in (("chunk_size", chunk_size), ("rotary_dim_divisor", rotary_dim_divisor)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    RD = N // rotary_dim_divisor
-    if RD < 1 or 2 * RD > N:
-        raise ValueError(f"rotary_dim_divisor = {rotary_dim_divisor} gives RD = {RD}; expected "
-                         f"1 <= N // rotary_dim_divisor <= N / 2 = {N // 2}")
+    B, S, R, G, N, H, P, RD = check_dims(Q, V, chunk_size, rotary_dim_divisor, "Q", "V")
     if (MIMO_Z is None) != (Z is None):
         raise ValueError("MIMO_Z and Z must be given together or both be None")
     if fuse_norm and (MIMO_Out is None or Z is None):
@@ -80,7 +55,8 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
     if D is not None:
         checks.append(("D", D, (H,), f32))
     if norm_weight is not None:
-        shape = (H * P,) if norm_weight.dim() == 1 else (H, P)
+        flat = isinstance(norm_weight, Tensor) and norm_weight.dim() == 1
+        shape = (H * P,) if flat else (H, P)
         checks.append(("outproj_norm_weight", norm_weight, shape, f32))
     for name, x, shape, dtypes in checks:
         check_tensor(name, x, shape, dtypes, dev)
@@ -94,11 +70,7 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
 
 def _pad_steps(x: Optional[Tensor], dim: int, S_pad: int) -> Optional[Tensor]:
     """x with zeros appended along dim up to S_pad steps (x itself when it has them)."""
-    if x is None or x.shape[dim] == S_pad:
-        return x
-    shape = list(x.shape)
-    shape[dim] = S_pad - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim)
+    return x if x is None or x.shape[dim] == S_pad else pad_steps(x, dim, S_pad - x.shape[dim])
 
 
 def kernel_chunk(pb: Problem) -> int:
@@ -162,17 +134,35 @@ def _output_args(pb: Problem, x: dict, c: dict) -> dict:
                 norm=x["fuse_norm"], consts=c["m"])
 
 
-def _final_k(pb: Problem, x: dict, angle: Tensor) -> Tensor:
-    """kr of the last step [B, R, H, N] fp32: K + K_bias of each value head, rotated."""
-    HG = pb.H // pb.G
-    kb = x["K"][:, -1].float().repeat_interleave(HG, dim=2) + x["K_bias"].transpose(0, 1)
-    half, RD = pb.N // 2, angle.shape[-1]
+def _rotate(x: Tensor, angle: Tensor, inverse: bool = False) -> Tensor:
+    """x [B, R, H, N] rotated on its first RD pairs (n, N/2 + n) by angle [B, H, RD] (rotate-half,
+    SPEC section 2), or by -angle with `inverse` (the transpose: a gradient rotated back)."""
+    half, RD = x.shape[-1] // 2, angle.shape[-1]
     cos, sin = torch.cos(angle)[:, None], torch.sin(angle)[:, None]  # [B, 1, H, RD]
-    out = kb.clone()
-    x1, x2 = kb[..., :RD], kb[..., half:half + RD]
+    if inverse:
+        sin = -sin
+    out = x.clone()
+    x1, x2 = x[..., :RD], x[..., half:half + RD]
     out[..., :RD] = cos * x1 - sin * x2
     out[..., half:half + RD] = sin * x1 + cos * x2
     return out
+
+
+def _final_k(pb: Problem, x: dict, angle: Tensor) -> Tensor:
+    """kr of the last step [B, R, H, N] fp32: K + K_bias of each value head, rotated."""
+    kb = (x["K"][:, -1].float().repeat_interleave(pb.H // pb.G, dim=2)
+          + x["K_bias"].transpose(0, 1))
+    return _rotate(kb, angle)
+
+
+def trap_grads(d_gamma: Tensor, d_trap_scale: Tensor, DT: Tensor, Trap: Tensor
+               ) -> Tuple[Tensor, Tensor]:
+    """(d DT, d Trap) [B, H, S] from the gradients of gamma[t] = DT[t] sigmoid(Trap[t]) and
+    trap_scale[t] = gamma[t] + DT[t+1] sigmoid(-Trap[t+1]) (whose second term is step t + 1's)."""
+    sig = torch.sigmoid(Trap.float())
+    d_gamma = d_gamma + d_trap_scale
+    d_shift = torch.nn.functional.pad(d_trap_scale[..., :-1], (1, 0))  # step t's in t - 1's
+    return d_gamma * sig + d_shift * (1 - sig), (d_gamma - d_shift) * DT * sig * (1 - sig)
 
 
 TENSOR_ARGS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V", "MIMO_Z",
@@ -318,38 +308,26 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         da_cs_rev=c["da_cs_rev"], segsum=c["segsum"], dy=dy, states=c["states"],
         d_final_state=None if d_state is None else d_state.transpose(-1, -2), consts=m,
         precision=m.PREC)
-    dK = g["dk"][:, :S]
-    d_angles = g["d_angles"][:, :S]
+    # views of this call's own buffers: the final states' gradients are added in place
+    dK, d_angles = g["dk"][:, :S], g["d_angles"][:, :S]
     if d_k is not None:
-        # final_k = rot(K + K_bias)[S - 1]: its gradient rotated back, and the angle's share
+        # final_k = rot(K + K_bias)[S - 1], per value head: its gradient rotated back joins dK
+        # (summed over a group's heads) and K_bias's; the angle's share as in chunk_grads
         angle = c["angles"][:, S - 1]
-        kr = _final_k(pb, x, angle)
-        RD, half = angle.shape[-1], N // 2
-        cos, sin = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
-        g1, g2 = d_k[..., :RD].float(), d_k[..., half:half + RD].float()
-        back = d_k.float().clone()
-        back[..., :RD] = cos * g1 + sin * g2
-        back[..., half:half + RD] = cos * g2 - sin * g1
-        # final_k is per value head: its gradient joins dK over the heads of a group, and
-        # K_bias's per head
-        dK = dK.clone()
+        kr, d_k = _final_k(pb, x, angle), d_k.float()
+        back = _rotate(d_k, angle, inverse=True)
         dK[:, S - 1] += back.view(B, R, G, H // G, N).sum(3)
         d_k_bias = back.sum(0).transpose(0, 1)
-        d_angles = d_angles.clone()
-        d_angles[:, S - 1] += (g2 * kr[..., :RD] - g1 * kr[..., half:half + RD]).sum(1)
+        RD, half = angle.shape[-1], N // 2
+        d_angles[:, S - 1] += (d_k[..., half:half + RD] * kr[..., :RD]
+                               - d_k[..., :RD] * kr[..., half:half + RD]).sum(1)
     if d_angle0 is not None:
-        d_angles = d_angles.clone() if d_k is None else d_angles
         d_angles[:, S - 1] += d_angle0
     d_raw_angles, d_dt_angles = preprocess.angle_sum_backward(d_angles.contiguous(),
                                                               x["Angles"], x["DT"])
-    trap = x["Trap"].float()
-    sig = torch.sigmoid(trap)
-    d_ts = g["d_trap_scale"][..., :S]
-    d_gamma = g["d_gamma"][..., :S] + d_ts  # trap_scale[t] = gamma[t] + dt[t+1] sigmoid(-trap[t+1])
-    d_shift = torch.nn.functional.pad(d_ts[..., :-1], (1, 0))  # step t's term in trap_scale[t-1]
-    DT = x["DT"]
-    d_dt = d_gamma * sig + d_shift * (1 - sig) + d_dt_angles
-    d_trap = (d_gamma - d_shift) * DT * sig * (1 - sig)
+    d_dt, d_trap = trap_grads(g["d_gamma"][..., :S], g["d_trap_scale"][..., :S], x["DT"],
+                              x["Trap"])
+    d_dt = d_dt + d_dt_angles
     dV = g["dv"][:, :S]
     if d_v is not None:
         dV[:, S - 1] += d_v
@@ -369,10 +347,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if x["fuse_norm"] and x["norm_weight"] is not None:
         grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
-    names = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V", "MIMO_Z",
-             "MIMO_Out", "Angles", "D", "Z", "norm_weight")
     out = []
-    for name in names:
+    for name in TENSOR_ARGS:
         t = x[name]
         out.append(None if t is None or name not in grads else grads[name].to(t.dtype))
     return tuple(out)
