@@ -57,10 +57,16 @@ def _assert_identical(got_out, got_grads, want_out, want_grads):
         assert torch.equal(got_grads[name], g), name
 
 
-def _run(fn, args, w, op_kw, seed=5, **extra):
+def _run(fn, args, w, op_kw, seed=5, like=None, **extra):
+    """(outputs, gradients) of loss = sum_i <outs[i], weights[i]> with seeded random weights.
+    The weights are the cotangents autograd hands the operator: in each output's dtype. A
+    reference run gets `like`, the operator's outputs, so that its weights are rounded to the
+    same dtypes: both see the same d out (a bf16 d out is part of a bf16 operator's input)."""
     outs = fn(**args, return_state=True, outproj_norm_weight=w, **op_kw, **extra)
     gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(o.shape, generator=gen, dtype=F64) for o in outs]
+    dtypes = [o.dtype for o in (outs if like is None else like.values())]
+    weights = [torch.randn(o.shape, generator=gen, dtype=F64).to(dt).to(F64)
+               for o, dt in zip(outs, dtypes)]
     loss = sum((o.double() * wt.to(o.device)).sum() for o, wt in zip(outs, weights))
     loss.backward()
     grads = {k: args[k].grad for k in INPUT_NAMES if isinstance(args[k], torch.Tensor)}
@@ -89,7 +95,7 @@ def test_operator_against_references(case, dtype):
         ref_a = {k: (v.detach().clone().requires_grad_(True) if isinstance(v, torch.Tensor)
                      else v) for k, v in ref_args.items()}
         rw = None if ref_w is None else ref_w.detach().clone().requires_grad_(True)
-        want_out, want_grads = _run(ref_fn, ref_a, rw, op_kw)
+        want_out, want_grads = _run(ref_fn, ref_a, rw, op_kw, like=got_out)
         errors = {n: rel_rms(got_out[n].cpu(), want_out[n]) for n in OUT_NAMES}
         errors.update({f"d{n}": rel_rms(got_grads[n].cpu(), want_grads[n]) for n in want_grads})
         assert set(got_grads) == set(want_grads)
@@ -207,7 +213,8 @@ def test_operator_in_several_blocks(monkeypatch, op_kw, make_kw):
     from mamba3_mimo.kernels import chunk_forward, chunk_grads
     for module in (chunk_forward, chunk_grads):
         monkeypatch.setattr(module, "BLOCK_PAIRS", 16)
-        monkeypatch.setattr(module, "BLOCK_P", 16)
+    monkeypatch.setattr(chunk_grads, "BLOCK_P", 16)
+    monkeypatch.setattr(chunk_forward, "blocks", lambda N: (16, dict(num_warps=4)))
     monkeypatch.setattr(chunk_grads, "STATE_BLOCK_PAIRS", 16)
     args = make_args(B=1, S=10, H=2, G=1, R=2, N=48, P=40, chunk_size=4, **make_kw)
     w = 1 + 0.3 * torch.randn(2, 40, generator=torch.Generator().manual_seed(4),
@@ -237,7 +244,7 @@ def test_official_shapes_accuracy(shape):
     ref = {k: (v.detach().double().requires_grad_(True) if isinstance(v, torch.Tensor) else v)
            for k, v in ours.items()}
     ref["dtype"] = F64
-    want_out, want_grads = _run(mamba3_mimo_reference, ref, None, {})
+    want_out, want_grads = _run(mamba3_mimo_reference, ref, None, {}, like=got_out)
     errors = {n: rel_rms(got_out[n], want_out[n]) for n in OUT_NAMES}
     errors.update({f"d{n}": rel_rms(got_grads[n], want_grads[n]) for n in want_grads})
     print(f"\n{shape.name} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))

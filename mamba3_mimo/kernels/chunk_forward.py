@@ -220,11 +220,18 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
                     tl.store(fs + HALF, mac(st2 * decay, kw2, psiv, PREC), mask=jm)
 
 
-# blocks and launch options, chosen offline as chunk_grads' (tests/offline.py --operator, sm_90,
-# N128_P64_R4_C16: 226 registers and no spill forward, 16 bytes with GRAD; 32-pair blocks at
-# 4 warps spilled 96 and 480 bytes)
-BLOCK_PAIRS, BLOCK_P = 16, 64
-OPTIONS = dict(num_warps=8, num_stages=1)
+# Blocks and launch options, measured on the H200 (2026-12-03, forward+backward at
+# N128_P64_R4_C16 and N256_P64_R4_C8, docs/performance.md "The whole operator"): 4 warps
+# rather than 8 took the kernel from 3.38 to 1.89 ms and from 10.07 to 5.29 ms (latency-bound
+# programs: more of them per SM); past N = 128, 32-column P blocks and two stages 3.78 ms.
+BLOCK_PAIRS = 16
+
+
+def blocks(N: int) -> tuple:
+    """(BLOCK_P, launch options) for head dimension N."""
+    if N <= 128:
+        return 64, dict(num_warps=4, num_stages=1)
+    return 32, dict(num_warps=4, num_stages=2)
 
 
 def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms, cos, sin,
@@ -236,6 +243,7 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     qs, ks, vs = q.stride(), k.stride(), v.stride()
+    block_p, options = blocks(N)
     with on_device(q.device):
         chunk_forward_kernel[(B * H * m.nc,)](
             q=q, k=k, v=v, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o,
@@ -246,5 +254,5 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
             eps=float(eps), sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], skb=ks[0],
             sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
             svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(BLOCK_PAIRS, next_pow2(N // 2))),
-            BP=max(16, min(BLOCK_P, next_pow2(P))), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out, NORM=norm,
-            GRAD=grad, PREC=m.PREC, **OPTIONS)
+            BP=max(16, min(block_p, next_pow2(P))), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
+            NORM=norm, GRAD=grad, PREC=m.PREC, **options)

@@ -245,13 +245,15 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
         tl.debug_barrier()
 
 
-# blocks and launch options, chosen offline (tests/offline.py --operator, sm_90, the official
-# shapes): 16-pair N blocks, 32-column P blocks and 8 warps keep chunk_grads within 64 KB of
-# shared memory and 192-664 bytes of spill per thread (the loop over a group's heads took
-# 0.3-0.6 KB more; 32-pair blocks needed 114 KB, 4 warps spilled 1.3-1.9 KB); the reverse scan's
-# 64-pair blocks spill at most 96 bytes. Loops load in place (one stage).
+# Blocks and launch options, measured on the H200 (2026-12-03, forward+backward at
+# N128_P64_R4_C16 and N256_P64_R4_C8, docs/performance.md "The whole operator"): chunk_grads
+# at 4 warps and two stages took 4.22 and 9.32 ms where 8 warps and one stage took 5.49 and
+# 19.95 (latency-bound programs: more of them per SM, loads ahead of use); the reverse scan
+# keeps 8 warps, one stage and 64-pair blocks (0.66 and 1.84 ms; 16- and 32-pair blocks and
+# two stages were slower).
 BLOCK_PAIRS, BLOCK_P, STATE_BLOCK_PAIRS = 16, 32, 64
-OPTIONS = dict(num_warps=8, num_stages=1)
+OPTIONS = dict(num_warps=4, num_stages=2)
+STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
@@ -294,7 +296,7 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
         SBJ = max(16, min(STATE_BLOCK_PAIRS, next_pow2(N // 2)))
         state_grad_kernel[(B * H, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, BP))](
             q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, **tables,
-            n_bh=B * H, **dict(common, BJ=SBJ), **OPTIONS)
+            n_bh=B * H, **dict(common, BJ=SBJ), **STATE_OPTIONS)
         chunk_grads_kernel[(B * G * nc,)](
             q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,
             da_cs_rev=da_cs_rev, segsum=segsum, dy=dy, states=states, dstates=dstates,
