@@ -8,11 +8,14 @@ states[c] = states[c-1] exp(da_cs[end of c-1]) + inc[c-1], a serial loop of mult
 with the running state in registers and each chunk's increment computed in the loop, so that no
 increment goes through memory; the next chunk's inputs are loaded before the present chunk's math.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from ..runtime.launcher import Launch
+from ..runtime.plans import placeholder
 from . import cdiv, input_align
 from .common import (chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_v_steps, psi_v_rows, rotate_pairs)
@@ -105,9 +108,11 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
 
 
 @triton.jit(do_not_specialize=["S_pad", "nc"])
-def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.constexpr,
-                         BLOCK: tl.constexpr, DEPTH: tl.constexpr, KEEP_FP32: tl.constexpr):
-    """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], states[0] = 0, on [BLOCK] slices.
+def state_passing_kernel(inc, da_cs, states, init, S_pad, nc, C, U, NP_SIZE: tl.constexpr,
+                         BLOCK: tl.constexpr, DEPTH: tl.constexpr, KEEP_FP32: tl.constexpr,
+                         HAS_INIT: tl.constexpr):
+    """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], on [BLOCK] slices; states[0] = 0,
+    or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32.
 
     The chunks go in groups of DEPTH, each group's increments and decays loaded before its
     first update: the serial chain then waits for memory once per group instead of once per
@@ -122,7 +127,10 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
     base = bh * nc * NP_SIZE + e
-    running = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_INIT:
+        running = tl.load(init + bh * NP_SIZE + e, mask=m, other=0.0)
+    else:
+        running = tl.zeros([BLOCK], dtype=tl.float32)
     tl.store(states + base, running.to(states.dtype.element_ty), mask=m)
     if KEEP_FP32:
         tl.store(inc + base, running, mask=m)
@@ -144,14 +152,16 @@ def state_passing_kernel(inc, da_cs, states, S_pad, nc, C, U, NP_SIZE: tl.conste
 
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
-def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep,
+def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep, init,
                       S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh, svp,
                       R, N: tl.constexpr, P: tl.constexpr, C, U,
                       TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                       BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
-                      KEEP_FP32: tl.constexpr, SYNC: tl.constexpr, OPAQUE: tl.constexpr):
+                      KEEP_FP32: tl.constexpr, SYNC: tl.constexpr, OPAQUE: tl.constexpr,
+                      HAS_INIT: tl.constexpr):
     """states[b, h, c + 1] = states[b, h, c] exp(da_cs[end of c]) + k_w^T psi_v of chunk c, the
-    increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0.
+    increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0,
+    or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32.
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
     also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -173,8 +183,12 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     keep += bh * nc * N * P
     off = j[None, :] * P + p[:, None]  # [BP, BJ], as chunk_increment's
     m = (j < HALF)[None, :] & pm[:, None]
-    run1 = tl.zeros([BP, BJ], dtype=tl.float32)
-    run2 = tl.zeros([BP, BJ], dtype=tl.float32)
+    if HAS_INIT:
+        run1 = tl.load(init + bh * N * P + off, mask=m, other=0.0)
+        run2 = tl.load(init + bh * N * P + off + HALF * P, mask=m, other=0.0)
+    else:
+        run1 = tl.zeros([BP, BJ], dtype=tl.float32)
+        run2 = tl.zeros([BP, BJ], dtype=tl.float32)
     tl.store(states + off, run1.to(states.dtype.element_ty), mask=m)
     tl.store(states + off + HALF * P, run2.to(states.dtype.element_ty), mask=m)
     if KEEP_FP32:
@@ -220,13 +234,15 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
 
 def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
              da_cs: torch.Tensor, terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             states: torch.Tensor, inc: torch.Tensor, consts, cfg) -> list:
+             states: torch.Tensor, inc: torch.Tensor, consts, cfg,
+             init: Optional[torch.Tensor] = None) -> list:
     """The launches that write states [B, H, nc, N, P] from k [B, S_pad, R, G, N], v
     [B, S_pad, H, P], k_bias [H, R, N], mimo_v [H, R, P], da_cs [B, H, S_pad] and step_terms'
     terms, cos, sin. `inc` is fp32 of the states' shape, or `states` itself for fp32 outputs,
     or a one-element stand-in where consts.OUT_STATES lets chunk_output read `states` and the
     scan runs (never written then); otherwise it ends holding the fp32 states of the chunks
-    that start an output tile.
+    that start an output tile. init: the state entering the first chunk [B, H, N, P] fp32
+    contiguous, or None for zero.
 
     cfg (configs.StateConfig): scan picks the fused state_scan_kernel over chunk_increment with
     state_passing, which use `inc` as their fp32 scratch. The first launch is the one whose
@@ -245,13 +261,15 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
         N=N, P=P, C=m.C, TP=m.TP, RP=m.RP, HALF=half, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, PREC=m.PREC,
         BA=BA)
     p_blocks = n_jb * cdiv(P, cfg.BP)
+    first = dict(init=placeholder(k.device) if init is None else init, HAS_INIT=init is not None)
     if cfg.scan:
         return [Launch(state_scan_kernel, (B * H, p_blocks), dict(
             common, da_cs=da_cs, states=states, keep=inc, U=m.U, KEEP_FP32=keep_fp32,
-            SYNC=m.SCAN_SYNC, OPAQUE=m.OPAQUE), dict(num_warps=cfg.num_warps, num_stages=1))]
+            SYNC=m.SCAN_SYNC, OPAQUE=m.OPAQUE, **first),
+            dict(num_warps=cfg.num_warps, num_stages=1))]
     return [Launch(chunk_increment_kernel, (B * H * max(m.nc - 1, 0), p_blocks),
                    dict(common, inc=inc, n_bh=B * H), dict(num_warps=cfg.num_warps)),
             Launch(state_passing_kernel, (B * H, cdiv(N * P, cfg.BLOCK)), dict(
                 inc=inc, da_cs=da_cs, states=states, S_pad=m.S_pad, nc=m.nc, C=m.C, U=m.U,
-                NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH, KEEP_FP32=keep_fp32),
+                NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH, KEEP_FP32=keep_fp32, **first),
                 dict(num_warps=4))]

@@ -11,6 +11,7 @@ with the running angle kept mod 2*pi between blocks so that its fp32 rounding do
 the length.
 """
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -36,13 +37,14 @@ def _tanh(x):
 
 
 @triton.jit(do_not_specialize=["S", "sab", "sdb", "sdh", "sob"])
-def angle_sum_kernel(angles_raw, dt, angles, d_angles, d_angles_raw, d_dt, S, H, RD, sab, sas,
-                     sah, sar, sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr, BR: tl.constexpr,
-                     TWO_PI: tl.constexpr, REVERSE: tl.constexpr):
+def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_dt, S, H, RD, sab,
+                     sas, sah, sar, sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr,
+                     BR: tl.constexpr, TWO_PI: tl.constexpr, REVERSE: tl.constexpr,
+                     HAS_INIT: tl.constexpr):
     """One (b, h) per program, the steps in blocks of BS, the RD angles in one BR block.
 
-    Forward: angles[b, t, h, :] = (sum_{u<=t} tanh(angles_raw[b, u, h, :]) pi dt[b, h, u])
-    mod 2*pi. REVERSE (the backward): with g[u] = sum_{t>=u} d_angles[b, t, h, :] (the mod has
+    Forward: angles[b, t, h, :] = (angle0[b, h, :] + sum_{u<=t} tanh(angles_raw[b, u, h, :]) pi
+    dt[b, h, u]) mod 2*pi, angle0 [B, H, RD] contiguous with HAS_INIT, else 0. REVERSE (the backward): with g[u] = sum_{t>=u} d_angles[b, t, h, :] (the mod has
     gradient 1), d_angles_raw[b, u, h, :] = g[u] pi dt[u] (1 - tanh^2) and d_dt[b, h, u] =
     sum_r g[u] pi tanh; the steps are walked from the last block to the first. angles_raw and
     d_angles_raw share strides (sab, sas, sah, sar); angles and d_angles too (sob, ...); dt and
@@ -60,7 +62,10 @@ def angle_sum_kernel(angles_raw, dt, angles, d_angles, d_angles_raw, d_dt, S, H,
     raw_off = i[:, None] * sas + r[None, :] * sar
     out_off = i[:, None] * sos + r[None, :]
     pi = TWO_PI / 2
-    carry = tl.zeros([BR], dtype=tl.float32)
+    if HAS_INIT:
+        carry = tl.load(angle0 + (b * H + h) * RD + r, mask=rm, other=0.0)
+    else:
+        carry = tl.zeros([BR], dtype=tl.float32)
     n_blocks = tl.cdiv(S, BS)
     for blk in range(n_blocks):
         if REVERSE:
@@ -121,15 +126,19 @@ def _check_steps(name: str, x: torch.Tensor, shape: tuple) -> None:
                          f"{list(x.shape)}")
 
 
-def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor,
+def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch.Tensor] = None,
               block_steps: int = BLOCK_STEPS) -> torch.Tensor:
     """The rotation angles [B, S, H, RD] fp32 (contiguous) from Angles [B, S, H, RD] and DT
-    [B, H, S], both fp32 of any strides: (sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi."""
+    [B, H, S], both fp32 of any strides, and the angle before the first step, angle0
+    [B, H, RD] fp32 or None for zero: (angle0 + sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi."""
     B, S, H, RD = angles_raw.shape
     _check_steps("angles_raw", angles_raw, (B, S, H, RD))
     _check_steps("dt", dt, (B, H, S))
+    if angle0 is not None:
+        _check_steps("angle0", angle0, (B, H, RD))
+        angle0 = angle0.contiguous()
     out = torch.empty(B, S, H, RD, device=angles_raw.device, dtype=torch.float32)
-    _angle_launch(angles_raw, dt, out, out, angles_raw, dt, block_steps, False)
+    _angle_launch(angles_raw, dt, out, out, angles_raw, dt, block_steps, False, angle0)
     return out
 
 
@@ -151,16 +160,18 @@ def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: tor
 
 
 def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, block_steps: int,
-                  reverse: bool) -> None:
+                  reverse: bool, angle0: Optional[torch.Tensor] = None) -> None:
     B, S, H, RD = angles_raw.shape
     ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
     assert ao[3] == 1, "the angles' output is contiguous in RD"
     with on_device(angles_raw.device):
         angle_sum_kernel[(B * H,)](
-            angles_raw=angles_raw, dt=dt, angles=angles, d_angles=d_angles, d_angles_raw=d_raw,
+            angles_raw=angles_raw, dt=dt, angle0=angles if angle0 is None else angle0,
+            angles=angles, d_angles=d_angles, d_angles_raw=d_raw,
             d_dt=d_dt, S=S, H=H, RD=RD, sab=ar[0], sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0],
             sdh=ds[1], sds=ds[2], sob=ao[0], sos=ao[1], soh=ao[2], BS=block_steps,
-            BR=next_pow2(RD), TWO_PI=TWO_PI, REVERSE=reverse, num_warps=8)
+            BR=next_pow2(RD), TWO_PI=TWO_PI, REVERSE=reverse,
+            HAS_INIT=angle0 is not None, num_warps=8)
 
 
 def decay_pieces(adt: torch.Tensor, chunk_size: int):

@@ -27,8 +27,8 @@ Tensor = torch.Tensor
 # ---------------------------------------------------------------------------- argument checks
 
 def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
-             chunk_size, rotary_dim_divisor, dtype, cu_seqlens, fuse_norm, norm_weight
-             ) -> Problem:
+             chunk_size, rotary_dim_divisor, dtype, cu_seqlens, fuse_norm, norm_weight,
+             initial_state=None) -> Problem:
     """The Problem of a call, or TypeError / ValueError naming the first bad argument;
     NotImplementedError for cu_seqlens (packed sequences) and an unsupported device."""
     if cu_seqlens is not None:
@@ -58,6 +58,15 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
         flat = isinstance(norm_weight, Tensor) and norm_weight.dim() == 1
         shape = (H * P,) if flat else (H, P)
         checks.append(("outproj_norm_weight", norm_weight, shape, f32))
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 4:
+            raise TypeError("initial_state must be a tuple (angle, state, k, v), as "
+                            "return_state=True returns it")
+        angle0, state0, k0, v0 = initial_state
+        checks += [("initial_state[0] (angle)", angle0, (B, H, RD), f32),
+                   ("initial_state[1] (state)", state0, (B, H, P, N), f32),
+                   ("initial_state[2] (k)", k0, (B, R, H, N), f32),
+                   ("initial_state[3] (v)", v0, (B, H, P), (V.dtype, torch.float32))]
     for name, x, shape, dtypes in checks:
         check_tensor(name, x, shape, dtypes, dev)
     check_device(dev)
@@ -96,7 +105,7 @@ def prepare(pb: Problem, x: dict) -> dict:
     # step_terms reads DT and Trap as contiguous [B*H, S_pad] rows
     for name in ("DT", "Trap", "ADT"):
         a[name] = _pad_steps(x[name], 2, S_pad).contiguous()
-    angles = _pad_steps(preprocess.angle_sum(x["Angles"], x["DT"]), 1, S_pad)
+    angles = _pad_steps(preprocess.angle_sum(x["Angles"], x["DT"], x["angle0"]), 1, S_pad)
     # ADT zero-padded: past S, da_cs keeps its last value and nothing decays
     a["da_cs"], a["da_cs_rev"], a["segsum"] = preprocess.decay_pieces(a["ADT"], C)
     numel, views = step_terms.table_views(m)
@@ -112,9 +121,45 @@ def prepare(pb: Problem, x: dict) -> dict:
     with on_device(pb.device):
         step_terms.launch(angles=angles, da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
                           dt=a["DT"], trap=a["Trap"], consts=m, **tables).run()
-        for launch in chunk_state.launches(**state_args, cfg=cfg):
+        for launch in chunk_state.launches(**state_args, cfg=cfg, init=_entering_state(x)):
             launch.run()
     return dict(a, **tables, **small, angles=angles, states=states, m=m)
+
+
+def _previous_step(x: dict) -> Tuple[Tensor, Tensor, Tensor]:
+    """(s [B, H], X [B, H, N, P], PsiV_prev [B, H, R, P]) of a call with an initial state: the
+    previous step's shifted term enters step 0 as s X, s = DT[0] sigmoid(-Trap[0]) and
+    X = sum_r k0[r] (x) PsiV_prev[r], PsiV_prev[r] = v0 MIMO_V[h, r] (SPEC section 7)."""
+    s = x["DT"][..., 0] * torch.sigmoid(-x["Trap"][..., 0].float())
+    psiv = x["v0"].float()[:, :, None, :] * x["MIMO_V"][None]
+    return s, torch.einsum("brhn,bhrp->bhnp", x["k0"], psiv), psiv
+
+
+def _entering_state(x: dict) -> Optional[Tensor]:
+    """The state entering the first chunk [B, H, N, P] fp32: the given state (read as [N, P])
+    plus the previous step's shifted term, before step 0's decay; None without initial_state."""
+    if x["state0"] is None:
+        return None
+    s, X, _ = _previous_step(x)
+    return (x["state0"].transpose(-1, -2) + s[..., None, None] * X).contiguous()
+
+
+def _initial_state_grads(x: dict, d_entering: Tensor, d_angles: Tensor, grads: dict) -> None:
+    """The gradients of the four initial-state tensors into grads, and their shares of d DT,
+    d Trap and d MIMO_V added there, from d_entering [B, H, N, P] (the reverse scan's gradient of
+    the state entering the first chunk) and d_angles [B, S, H, RD] (of the running angles, each
+    of which holds angle0)."""
+    s, X, psiv = _previous_step(x)
+    d_s = (d_entering * X).sum((-1, -2))
+    sig = torch.sigmoid(-x["Trap"][..., 0].float())  # sigmoid(-Trap[0])
+    grads["DT"][..., 0] += sig * d_s
+    grads["Trap"][..., 0] -= x["DT"][..., 0] * sig * (1 - sig) * d_s
+    d_x = s[..., None, None] * d_entering  # of X
+    d_psiv = torch.einsum("brhn,bhnp->bhrp", x["k0"], d_x)
+    grads["MIMO_V"] += (d_psiv * x["v0"].float()[:, :, None, :]).sum(0)
+    grads.update(angle0=d_angles.sum(1), state0=d_entering.transpose(-1, -2),
+                 k0=torch.einsum("bhnp,bhrp->brhn", d_x, psiv),
+                 v0=(d_psiv * x["MIMO_V"][None]).sum(2))
 
 
 def _output_args(pb: Problem, x: dict, c: dict) -> dict:
@@ -166,7 +211,7 @@ def trap_grads(d_gamma: Tensor, d_trap_scale: Tensor, DT: Tensor, Trap: Tensor
 
 
 TENSOR_ARGS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V", "MIMO_Z",
-               "MIMO_Out", "Angles", "D", "Z", "norm_weight")
+               "MIMO_Out", "Angles", "D", "Z", "norm_weight", "angle0", "state0", "k0", "v0")
 
 
 def _forward(pb: Problem, x: dict) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -211,20 +256,22 @@ class Mamba3Mimo(torch.autograd.Function):
 # empty tensor in the backward op's outputs (an op's outputs cannot be None).
 
 def _problem(t: dict, chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool) -> Problem:
+    init = None if t["state0"] is None else (t["angle0"], t["state0"], t["k0"], t["v0"])
     return validate(t["Q"], t["K"], t["V"], t["ADT"], t["DT"], t["Trap"], t["Q_bias"],
                     t["K_bias"], t["MIMO_V"], t["MIMO_Z"], t["MIMO_Out"], t["Angles"], t["D"],
                     t["Z"], chunk_size, rotary_dim_divisor, None, None, fuse_norm,
-                    t["norm_weight"])
+                    t["norm_weight"], init)
 
 
 @torch.library.custom_op("mamba3_mimo::operator_fwd", mutates_args=())
 def _fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
             Q_bias: Tensor, K_bias: Tensor, MIMO_V: Tensor, MIMO_Z: Optional[Tensor],
             MIMO_Out: Optional[Tensor], Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
-            norm_weight: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
+            norm_weight: Optional[Tensor], angle0: Optional[Tensor], state0: Optional[Tensor],
+            k0: Optional[Tensor], v0: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
             fuse_norm: bool, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
-                               MIMO_Out, Angles, D, Z, norm_weight)))
+                               MIMO_Out, Angles, D, Z, norm_weight, angle0, state0, k0, v0)))
     pb = _problem(t, chunk_size, rotary_dim_divisor, fuse_norm)
     with on_device(pb.device):
         return _forward(pb, dict(t, fuse_norm=fuse_norm, eps=eps))
@@ -232,7 +279,8 @@ def _fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tens
 
 @_fwd_op.register_fake
 def _fwd_fake(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
-              norm_weight, chunk_size, rotary_dim_divisor, fuse_norm, eps):
+              norm_weight, angle0, state0, k0, v0, chunk_size, rotary_dim_divisor, fuse_norm,
+              eps):
     B, S, R, _, N = Q.shape
     H, P = V.shape[2], V.shape[3]
     ranks = () if MIMO_Out is not None else (R,)
@@ -246,12 +294,13 @@ def _fwd_fake(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, 
 def _bwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
             Q_bias: Tensor, K_bias: Tensor, MIMO_V: Tensor, MIMO_Z: Optional[Tensor],
             MIMO_Out: Optional[Tensor], Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
-            norm_weight: Optional[Tensor], d_out: Tensor, d_angle: Optional[Tensor],
+            norm_weight: Optional[Tensor], angle0: Optional[Tensor], state0: Optional[Tensor],
+            k0: Optional[Tensor], v0: Optional[Tensor], d_out: Tensor, d_angle: Optional[Tensor],
             d_state: Optional[Tensor], d_k: Optional[Tensor], d_v: Optional[Tensor],
             chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool,
             eps: float) -> List[Tensor]:
     t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
-                               MIMO_Out, Angles, D, Z, norm_weight)))
+                               MIMO_Out, Angles, D, Z, norm_weight, angle0, state0, k0, v0)))
     pb = _problem(t, chunk_size, rotary_dim_divisor, fuse_norm)
     with on_device(pb.device):
         grads = _backward(pb, dict(t, fuse_norm=fuse_norm, eps=eps), d_out,
@@ -261,10 +310,10 @@ def _bwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tens
 
 @_bwd_op.register_fake
 def _bwd_fake(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
-              norm_weight, d_out, d_angle, d_state, d_k, d_v, chunk_size, rotary_dim_divisor,
-              fuse_norm, eps):
+              norm_weight, angle0, state0, k0, v0, d_out, d_angle, d_state, d_k, d_v,
+              chunk_size, rotary_dim_divisor, fuse_norm, eps):
     inputs = (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
-              norm_weight)
+              norm_weight, angle0, state0, k0, v0)
     return [Q.new_empty(0) if x is None else x.new_empty(x.shape) for x in inputs]
 
 
@@ -284,14 +333,15 @@ _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
-    """The gradients of the fifteen tensor inputs (None for an absent one)."""
+    """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one)."""
     c = prepare(pb, x)
     m = c["m"]
     B, S, H, G, N, P, R = pb.B, pb.S, pb.H, pb.G, pb.N, pb.P, pb.R
     S_pad, nc, dev = m.S_pad, m.nc, pb.device
     f32 = dict(device=dev, dtype=torch.float32)
     stand = placeholder(dev)
-    d_angle0, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
+    # the gradients of the final angle, state, k and v (None where unused)
+    d_angle_end, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
     dout = _pad_steps(d_out.contiguous(), 1, S_pad)
     dy = torch.empty(B, S_pad, R, H, P, **f32)
     dz = torch.empty(B, S_pad, H, P, **f32) if pb.has_z else stand
@@ -321,8 +371,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         RD, half = angle.shape[-1], N // 2
         d_angles[:, S - 1] += (d_k[..., half:half + RD] * kr[..., :RD]
                                - d_k[..., :RD] * kr[..., half:half + RD]).sum(1)
-    if d_angle0 is not None:
-        d_angles[:, S - 1] += d_angle0
+    if d_angle_end is not None:
+        d_angles[:, S - 1] += d_angle_end
     d_raw_angles, d_dt_angles = preprocess.angle_sum_backward(d_angles.contiguous(),
                                                               x["Angles"], x["DT"])
     d_dt, d_trap = trap_grads(g["d_gamma"][..., :S], g["d_trap_scale"][..., :S], x["DT"],
@@ -347,6 +397,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if x["fuse_norm"] and x["norm_weight"] is not None:
         grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
+    if x["state0"] is not None:
+        _initial_state_grads(x, g["dstates"][:, :, 0], d_angles, grads)
     out = []
     for name in TENSOR_ARGS:
         t = x[name]
@@ -362,28 +414,34 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
                 cu_seqlens: Optional[Tensor] = None,
                 fuse_pregate_headwise_rms_norm: bool = False,
                 outproj_norm_weight: Optional[Tensor] = None,
-                outproj_norm_eps: float = 1e-5):
-    """The Mamba-3 MIMO operator (SPEC section 6), upstream's signature and argument order.
+                outproj_norm_eps: float = 1e-5,
+                initial_state: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None):
+    """The Mamba-3 MIMO operator (SPEC section 6), upstream's signature and argument order, plus
+    `initial_state` (SPEC section 7).
 
     Shapes: Q, K [B, S, R, G, N]; V, Z [B, S, H, P]; ADT, DT, Trap [B, H, S]; Q_bias, K_bias
     [H, R, N]; MIMO_V, MIMO_Z, MIMO_Out [H, R, P]; Angles [B, S, H, N // rotary_dim_divisor];
     D [H]; outproj_norm_weight [H, P] or [H * P]. Returns out [B, S, H, P] in Q's dtype
     ([B, S, R, H, P] without MIMO_Out), and with return_state=True also final_angle [B, H, RD],
     final_state [B, H, P, N], final_k [B, R, H, N] (fp32) and final_v [B, H, P]; every output
-    is differentiable. Gradients come for every tensor input that requires grad, in its dtype.
-    Raises ValueError / TypeError naming a bad argument, NotImplementedError for cu_seqlens and
-    an unsupported device. Under torch.compile it is the custom ops `mamba3_mimo::operator_fwd`
-    and `operator_bwd` (no graph break)."""
+    is differentiable. initial_state: None (a zero state) or what return_state=True returns,
+    (angle [B, H, RD], state [B, H, P, N], k [B, R, H, N] fp32, v [B, H, P] in V's dtype or
+    fp32): the call continues the sequence that state ended. Gradients come for every tensor
+    input that requires grad (the initial state's too), in its dtype. Raises ValueError /
+    TypeError naming a bad argument, NotImplementedError for cu_seqlens and an unsupported
+    device. Under torch.compile it is the custom ops `mamba3_mimo::operator_fwd` and
+    `operator_bwd` (no graph break)."""
     pb = validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D,
                   Z, chunk_size, rotary_dim_divisor, dtype, cu_seqlens,
-                  fuse_pregate_headwise_rms_norm, outproj_norm_weight)
+                  fuse_pregate_headwise_rms_norm, outproj_norm_weight, initial_state)
+    init = (None,) * 4 if initial_state is None else tuple(initial_state)
     opts = dict(return_state=bool(return_state), fuse_norm=bool(fuse_pregate_headwise_rms_norm),
                 eps=float(outproj_norm_eps))
     if torch.compiler.is_compiling():
         outs = _fwd_op(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles,
-                       D, Z, outproj_norm_weight, chunk_size, rotary_dim_divisor,
+                       D, Z, outproj_norm_weight, *init, chunk_size, rotary_dim_divisor,
                        opts["fuse_norm"], opts["eps"])
         return outs if opts["return_state"] else outs[0]
     with on_device(pb.device):
         return Mamba3Mimo.apply(pb, opts, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
-                                MIMO_Z, MIMO_Out, Angles, D, Z, outproj_norm_weight)
+                                MIMO_Z, MIMO_Out, Angles, D, Z, outproj_norm_weight, *init)
