@@ -118,13 +118,6 @@ def test_gradient_dtypes():
         assert x.grad is not None and x.grad.dtype == x.dtype, name
 
 
-def test_cu_seqlens_not_yet():
-    args = make_args(B=1, S=5, H=2, G=1, R=2, N=8, P=4, chunk_size=2)
-    a, _ = _leaves(args, torch.float32, DEVICE, None)
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        mamba3_mimo(**a, cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32))
-
-
 @pytest.mark.parametrize("bad,match", [
     (dict(MIMO_Z=None), "MIMO_Z and Z"),
     (dict(MIMO_Out=None, fuse_pregate_headwise_rms_norm=True), "fuse_pregate"),

@@ -107,12 +107,25 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     tl.store(inc + off + HALF * P, dot(psi_t, k2 * w[:, None], PREC), mask=m)
 
 
+@triton.jit
+def _restart(running, init, starts, c, live, bh, n_bh, NP_SIZE, off, m):
+    """running, or init[j * n_bh + bh] (at off, mask m) where chunk c starts sequence j
+    (starts[c] = j >= 0; B = 1, so bh is the head)."""
+    j = tl.load(starts + c, mask=live, other=-1)
+    fresh = tl.load(init + (tl.maximum(j, 0).to(tl.int64) * n_bh + bh) * NP_SIZE + off,
+                    mask=m & (j >= 0), other=0.0)
+    return tl.where(j >= 0, fresh, running)
+
+
 @triton.jit(do_not_specialize=["S_pad", "nc"])
-def state_passing_kernel(inc, da_cs, states, init, S_pad, nc, C, U, NP_SIZE: tl.constexpr,
-                         BLOCK: tl.constexpr, DEPTH: tl.constexpr, KEEP_FP32: tl.constexpr,
-                         HAS_INIT: tl.constexpr):
+def state_passing_kernel(inc, da_cs, states, init, starts, S_pad, nc, C, U, n_bh,
+                         NP_SIZE: tl.constexpr, BLOCK: tl.constexpr, DEPTH: tl.constexpr,
+                         KEEP_FP32: tl.constexpr, HAS_INIT: tl.constexpr,
+                         VARLEN: tl.constexpr):
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], on [BLOCK] slices; states[0] = 0,
-    or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32.
+    or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN
+    (packed sequences, B = 1, HAS_INIT): a chunk c with starts[c] = j >= 0 starts sequence j
+    afresh from init[j * H + h] ([n_seq * H, N, P]).
 
     The chunks go in groups of DEPTH, each group's increments and decays loaded before its
     first update: the serial chain then waits for memory once per group instead of once per
@@ -146,22 +159,25 @@ def state_passing_kernel(inc, da_cs, states, init, S_pad, nc, C, U, NP_SIZE: tl.
             c = c0 + i
             at = tl.cast(c, tl.int64) * NP_SIZE
             running = running * tl.exp(log_decays[i]) + xs[i]
+            if VARLEN:
+                running = _restart(running, init, starts, c, c < nc, bh, n_bh, NP_SIZE, e, m)
             tl.store(states + base + at, running.to(states.dtype.element_ty), mask=m & (c < nc))
             if KEEP_FP32:
                 tl.store(inc + base + at, running, mask=m & (c < nc) & (c % U == 0))
 
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
-def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep, init,
+def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep, init, starts,
                       S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh, svp,
                       R, N: tl.constexpr, P: tl.constexpr, C, U,
                       TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                       BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                       KEEP_FP32: tl.constexpr, SYNC: tl.constexpr, OPAQUE: tl.constexpr,
-                      HAS_INIT: tl.constexpr):
+                      HAS_INIT: tl.constexpr, VARLEN: tl.constexpr):
     """states[b, h, c + 1] = states[b, h, c] exp(da_cs[end of c]) + k_w^T psi_v of chunk c, the
     increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0,
-    or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32.
+    or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN as
+    state_passing_kernel's.
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
     also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -219,6 +235,9 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         decay = tl.exp(log_decay)
         run1 = run1 * decay + inc1
         run2 = run2 * decay + inc2
+        if VARLEN:
+            run1 = _restart(run1, init, starts, c + 1, True, bh, H, N * P, off, m)
+            run2 = _restart(run2, init + HALF * P, starts, c + 1, True, bh, H, N * P, off, m)
         so = tl.cast(c + 1, tl.int64) * (N * P)  # chunks x N*P can pass 2**31
         tl.store(states + so + off, run1.to(states.dtype.element_ty), mask=m)
         tl.store(states + so + off + HALF * P, run2.to(states.dtype.element_ty), mask=m)
@@ -235,14 +254,17 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
 def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
              da_cs: torch.Tensor, terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              states: torch.Tensor, inc: torch.Tensor, consts, cfg,
-             init: Optional[torch.Tensor] = None) -> list:
+             init: Optional[torch.Tensor] = None,
+             starts: Optional[torch.Tensor] = None) -> list:
     """The launches that write states [B, H, nc, N, P] from k [B, S_pad, R, G, N], v
     [B, S_pad, H, P], k_bias [H, R, N], mimo_v [H, R, P], da_cs [B, H, S_pad] and step_terms'
     terms, cos, sin. `inc` is fp32 of the states' shape, or `states` itself for fp32 outputs,
     or a one-element stand-in where consts.OUT_STATES lets chunk_output read `states` and the
     scan runs (never written then); otherwise it ends holding the fp32 states of the chunks
     that start an output tile. init: the state entering the first chunk [B, H, N, P] fp32
-    contiguous, or None for zero.
+    contiguous, or None for zero. starts (packed sequences, B = 1, init given as
+    [n_seq, H, N, P]): int32 [nc], j where chunk c starts sequence j afresh from init[j], else
+    -1.
 
     cfg (configs.StateConfig): scan picks the fused state_scan_kernel over chunk_increment with
     state_passing, which use `inc` as their fp32 scratch. The first launch is the one whose
@@ -261,7 +283,11 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
         N=N, P=P, C=m.C, TP=m.TP, RP=m.RP, HALF=half, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, PREC=m.PREC,
         BA=BA)
     p_blocks = n_jb * cdiv(P, cfg.BP)
-    first = dict(init=placeholder(k.device) if init is None else init, HAS_INIT=init is not None)
+    if starts is not None and init is None:
+        raise ValueError("starts (packed sequences) needs init")
+    stand = placeholder(k.device)
+    first = dict(init=stand if init is None else init, HAS_INIT=init is not None,
+                 starts=stand if starts is None else starts, VARLEN=starts is not None)
     if cfg.scan:
         return [Launch(state_scan_kernel, (B * H, p_blocks), dict(
             common, da_cs=da_cs, states=states, keep=inc, U=m.U, KEEP_FP32=keep_fp32,
@@ -271,5 +297,6 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
                    dict(common, inc=inc, n_bh=B * H), dict(num_warps=cfg.num_warps)),
             Launch(state_passing_kernel, (B * H, cdiv(N * P, cfg.BLOCK)), dict(
                 inc=inc, da_cs=da_cs, states=states, S_pad=m.S_pad, nc=m.nc, C=m.C, U=m.U,
-                NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH, KEEP_FP32=keep_fp32, **first),
+                n_bh=B * H, NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH,
+                KEEP_FP32=keep_fp32, **first),
                 dict(num_warps=4))]

@@ -4,7 +4,9 @@ pass), and one autograd Function whose forward writes the output (chunk_forward)
 backward recomputes the states, runs the output stage's gradient (chunk_forward with GRAD) and
 phase 2 (chunk_grads), then reduces the gradients to the inputs.
 
-First form: whole-chunk kernels (not yet tuned) and the tail padded by host-side copies.
+Calls may start from a given state (SPEC section 7) and pack several sequences into one batch
+entry (cu_seqlens: the layout of phases/packed.py). First form: whole-chunk kernels (launch
+options tuned, the design not yet) and the tail padded by host-side copies.
 """
 from __future__ import annotations
 
@@ -19,23 +21,29 @@ from ..problem import Problem
 from ..runtime import resources
 from ..runtime.device import check_device, on_device
 from ..runtime.plans import placeholder
+from . import packed
 from .bwd_fwd import check_dims, check_tensor, one_chunk_size, pad_steps
+from .packed import Packing
 
 Tensor = torch.Tensor
 
 
 # ---------------------------------------------------------------------------- argument checks
 
+def _check_dtype(dtype, Q) -> None:
+    if dtype is not None and isinstance(Q, Tensor) and dtype != Q.dtype:
+        raise TypeError(f"dtype is {dtype} but Q is {Q.dtype}")
+
+
 def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
              chunk_size, rotary_dim_divisor, dtype, cu_seqlens, fuse_norm, norm_weight,
              initial_state=None) -> Problem:
-    """The Problem of a call, or TypeError / ValueError naming the first bad argument;
-    NotImplementedError for cu_seqlens (packed sequences) and an unsupported device."""
-    if cu_seqlens is not None:
-        raise NotImplementedError("cu_seqlens (packed sequences) is not supported yet")
-    if dtype is not None and isinstance(Q, Tensor) and dtype != Q.dtype:
-        raise TypeError(f"dtype is {dtype} but Q is {Q.dtype}")
+    """(the Problem of a call, the packed sequences' boundaries or None), or TypeError /
+    ValueError naming the first bad argument; NotImplementedError for an unsupported device."""
+    _check_dtype(dtype, Q)
     B, S, R, G, N, H, P, RD = check_dims(Q, V, chunk_size, rotary_dim_divisor, "Q", "V")
+    cu = None if cu_seqlens is None else packed.check_cu_seqlens(cu_seqlens, B, S)
+    n_states = B if cu is None else len(cu) - 1  # the states' rows: one per sequence
     if (MIMO_Z is None) != (Z is None):
         raise ValueError("MIMO_Z and Z must be given together or both be None")
     if fuse_norm and (MIMO_Out is None or Z is None):
@@ -63,16 +71,17 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
             raise TypeError("initial_state must be a tuple (angle, state, k, v), as "
                             "return_state=True returns it")
         angle0, state0, k0, v0 = initial_state
-        checks += [("initial_state[0] (angle)", angle0, (B, H, RD), f32),
-                   ("initial_state[1] (state)", state0, (B, H, P, N), f32),
-                   ("initial_state[2] (k)", k0, (B, R, H, N), f32),
-                   ("initial_state[3] (v)", v0, (B, H, P), (V.dtype, torch.float32))]
+        n = n_states
+        checks += [("initial_state[0] (angle)", angle0, (n, H, RD), f32),
+                   ("initial_state[1] (state)", state0, (n, H, P, N), f32),
+                   ("initial_state[2] (k)", k0, (n, R, H, N), f32),
+                   ("initial_state[3] (v)", v0, (n, H, P), (V.dtype, torch.float32))]
     for name, x, shape, dtypes in checks:
         check_tensor(name, x, shape, dtypes, dev)
     check_device(dev)
     return Problem(B=B, S=S, H=H, G=G, N=N, P=P, R=R, C=chunk_size,
                    rotary_dim_divisor=rotary_dim_divisor, dtype=Q.dtype, has_z=Z is not None,
-                   has_d=D is not None, output_dtype=torch.float32, device=dev)
+                   has_d=D is not None, output_dtype=torch.float32, device=dev), cu
 
 
 # ---------------------------------------------------------------------------- the call
@@ -91,10 +100,45 @@ def kernel_chunk(pb: Problem) -> int:
     return configs.kernel_chunk_size(C, pb.R)
 
 
-def prepare(pb: Problem, x: dict) -> dict:
-    """The kernels' view of a call: the sequence inputs padded to whole chunks, the rotation
-    angles and decay pieces (preprocess), step_terms' tables and the fp32 states entering each
-    chunk (the state pass), with the kernels' constants `m` (U = 1)."""
+SEQ_DIM = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
+
+
+def layout(pb: Problem, x: dict, cu) -> Tuple[Optional[Packing], Problem, dict]:
+    """(packing, problem, inputs) of the kernels' layout of a call: the call itself, or for
+    packed sequences (cu: their boundaries) one batch entry of the sequences laid out from
+    chunk boundaries with a zero chunk after each (phases/packed.py)."""
+    if cu is None:
+        return None, pb, x
+    longest = max(b - a for a, b in zip(cu, cu[1:]))
+    C = kernel_chunk(dataclasses.replace(pb, S=longest))
+    pk = packed.packing(cu, C, pb.device)
+    xl = dict(x, **{name: packed.pack(x[name], dim, pk) for name, dim in SEQ_DIM.items()
+                    if x[name] is not None})
+    return pk, dataclasses.replace(pb, S=pk.S_pack, C=C), xl
+
+
+def _first_steps(t: Tensor, pk: Optional[Packing]) -> Tensor:
+    """t [B, H, S] at each sequence's first step: [B, H], or [n_seq, H] when packed."""
+    return t[..., 0] if pk is None else t[0].index_select(1, pk.firsts).T
+
+
+def _last_rows(t: Tensor, pk: Optional[Packing], S: int) -> Tensor:
+    """t [B, S, ...] at each sequence's last step: [B, ...], or [n_seq, ...] when packed."""
+    return t[:, S - 1] if pk is None else t[0].index_select(0, pk.lasts)
+
+
+def _add_last_rows(t: Tensor, val: Tensor, pk: Optional[Packing], S: int) -> None:
+    """t [B, S, ...] += val at each sequence's last step (in place), val as _last_rows'."""
+    if pk is None:
+        t[:, S - 1] += val
+    else:
+        t[0].index_add_(0, pk.lasts, val.to(t.dtype))
+
+
+def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
+    """The kernels' view of a call in its layout: the sequence inputs padded to whole chunks,
+    the rotation angles and decay pieces (preprocess), step_terms' tables and the states
+    entering each chunk (the state pass), with the kernels' constants `m` (U = 1)."""
     C = kernel_chunk(pb)
     kpb = dataclasses.replace(pb, C=C)
     m = dataclasses.replace(configs.constants(kpb), U=1)
@@ -105,7 +149,12 @@ def prepare(pb: Problem, x: dict) -> dict:
     # step_terms reads DT and Trap as contiguous [B*H, S_pad] rows
     for name in ("DT", "Trap", "ADT"):
         a[name] = _pad_steps(x[name], 2, S_pad).contiguous()
-    angles = _pad_steps(preprocess.angle_sum(x["Angles"], x["DT"], x["angle0"]), 1, S_pad)
+    if pk is None:
+        angles = preprocess.angle_sum(x["Angles"], x["DT"], x["angle0"])
+    else:
+        angles = packed.restart_angles(preprocess.angle_sum(x["Angles"], x["DT"]), pk,
+                                       x["angle0"])
+    angles = _pad_steps(angles, 1, S_pad)
     # ADT zero-padded: past S, da_cs keeps its last value and nothing decays
     a["da_cs"], a["da_cs_rev"], a["segsum"] = preprocess.decay_pieces(a["ADT"], C)
     numel, views = step_terms.table_views(m)
@@ -121,43 +170,55 @@ def prepare(pb: Problem, x: dict) -> dict:
     with on_device(pb.device):
         step_terms.launch(angles=angles, da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
                           dt=a["DT"], trap=a["Trap"], consts=m, **tables).run()
-        for launch in chunk_state.launches(**state_args, cfg=cfg, init=_entering_state(x)):
+        for launch in chunk_state.launches(**state_args, cfg=cfg, init=_entering_state(x, pk),
+                                           starts=None if pk is None else pk.starts):
             launch.run()
     return dict(a, **tables, **small, angles=angles, states=states, m=m)
 
 
-def _previous_step(x: dict) -> Tuple[Tensor, Tensor, Tensor]:
-    """(s [B, H], X [B, H, N, P], PsiV_prev [B, H, R, P]) of a call with an initial state: the
-    previous step's shifted term enters step 0 as s X, s = DT[0] sigmoid(-Trap[0]) and
-    X = sum_r k0[r] (x) PsiV_prev[r], PsiV_prev[r] = v0 MIMO_V[h, r] (SPEC section 7)."""
-    s = x["DT"][..., 0] * torch.sigmoid(-x["Trap"][..., 0].float())
+def _previous_step(x: dict, pk: Optional[Packing]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(s, X [., H, N, P], PsiV_prev [., H, R, P]) of a call with an initial state, per batch
+    entry or sequence: the previous step's shifted term enters step 0 as s X,
+    s = DT[0] sigmoid(-Trap[0]) and X = sum_r k0[r] (x) PsiV_prev[r], PsiV_prev[r] =
+    v0 MIMO_V[h, r] (SPEC section 7)."""
+    s = _first_steps(x["DT"], pk) * torch.sigmoid(-_first_steps(x["Trap"], pk).float())
     psiv = x["v0"].float()[:, :, None, :] * x["MIMO_V"][None]
     return s, torch.einsum("brhn,bhrp->bhnp", x["k0"], psiv), psiv
 
 
-def _entering_state(x: dict) -> Optional[Tensor]:
-    """The state entering the first chunk [B, H, N, P] fp32: the given state (read as [N, P])
-    plus the previous step's shifted term, before step 0's decay; None without initial_state."""
+def _entering_state(x: dict, pk: Optional[Packing]) -> Optional[Tensor]:
+    """The state entering each sequence's first chunk [B or n_seq, H, N, P] fp32: the given
+    state (read as [N, P]) plus the previous step's shifted term, before step 0's decay; zero
+    for packed sequences without initial_state, None for other calls without one."""
     if x["state0"] is None:
-        return None
-    s, X, _ = _previous_step(x)
+        if pk is None:
+            return None
+        H, N, P = x["Q_bias"].shape[0], x["Q"].shape[-1], x["V"].shape[-1]
+        return torch.zeros(pk.n_seq, H, N, P, device=x["Q"].device, dtype=torch.float32)
+    s, X, _ = _previous_step(x, pk)
     return (x["state0"].transpose(-1, -2) + s[..., None, None] * X).contiguous()
 
 
-def _initial_state_grads(x: dict, d_entering: Tensor, d_angles: Tensor, grads: dict) -> None:
+def _initial_state_grads(x: dict, pk: Optional[Packing], d_entering: Tensor, d_angle0: Tensor,
+                         grads: dict) -> None:
     """The gradients of the four initial-state tensors into grads, and their shares of d DT,
-    d Trap and d MIMO_V added there, from d_entering [B, H, N, P] (the reverse scan's gradient of
-    the state entering the first chunk) and d_angles [B, S, H, RD] (of the running angles, each
-    of which holds angle0)."""
-    s, X, psiv = _previous_step(x)
+    d Trap (at each sequence's first step, in the kernels' layout) and d MIMO_V added there,
+    from d_entering [., H, N, P] (the reverse scan's gradient of the state entering each
+    sequence's first chunk) and d_angle0 [., H, RD]."""
+    s, X, psiv = _previous_step(x, pk)
     d_s = (d_entering * X).sum((-1, -2))
-    sig = torch.sigmoid(-x["Trap"][..., 0].float())  # sigmoid(-Trap[0])
-    grads["DT"][..., 0] += sig * d_s
-    grads["Trap"][..., 0] -= x["DT"][..., 0] * sig * (1 - sig) * d_s
+    sig = torch.sigmoid(-_first_steps(x["Trap"], pk).float())  # sigmoid(-Trap[0])
+    d_dt0 = sig * d_s
+    d_trap0 = -_first_steps(x["DT"], pk) * sig * (1 - sig) * d_s
+    for name, val in (("DT", d_dt0), ("Trap", d_trap0)):
+        if pk is None:
+            grads[name][..., 0] += val
+        else:
+            grads[name][0].index_add_(1, pk.firsts, val.T)
     d_x = s[..., None, None] * d_entering  # of X
     d_psiv = torch.einsum("brhn,bhnp->bhrp", x["k0"], d_x)
     grads["MIMO_V"] += (d_psiv * x["v0"].float()[:, :, None, :]).sum(0)
-    grads.update(angle0=d_angles.sum(1), state0=d_entering.transpose(-1, -2),
+    grads.update(angle0=d_angle0, state0=d_entering.transpose(-1, -2),
                  k0=torch.einsum("bhnp,bhrp->brhn", d_x, psiv),
                  v0=(d_psiv * x["MIMO_V"][None]).sum(2))
 
@@ -193,10 +254,10 @@ def _rotate(x: Tensor, angle: Tensor, inverse: bool = False) -> Tensor:
     return out
 
 
-def _final_k(pb: Problem, x: dict, angle: Tensor) -> Tensor:
-    """kr of the last step [B, R, H, N] fp32: K + K_bias of each value head, rotated."""
-    kb = (x["K"][:, -1].float().repeat_interleave(pb.H // pb.G, dim=2)
-          + x["K_bias"].transpose(0, 1))
+def _final_k(pb: Problem, k_last: Tensor, k_bias: Tensor, angle: Tensor) -> Tensor:
+    """kr of the last step [., R, H, N] fp32 from K's last step k_last [., R, G, N]: K + K_bias
+    of each value head, rotated by the last angle [., H, RD]."""
+    kb = k_last.float().repeat_interleave(pb.H // pb.G, dim=2) + k_bias.transpose(0, 1)
     return _rotate(kb, angle)
 
 
@@ -215,19 +276,28 @@ TENSOR_ARGS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V",
 
 
 def _forward(pb: Problem, x: dict) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, final_angle, final_state, final_k, final_v) of a validated call."""
-    c = prepare(pb, x)
+    """(out, final_angle, final_state, final_k, final_v) of a validated call; the final states
+    per batch entry, or per sequence when packed."""
+    pk, lpb, xl = layout(pb, x, x["cu"])
+    c = prepare(lpb, xl, pk)
     m = c["m"]
     dev, stand = pb.device, placeholder(pb.device)
     ranks = () if x["MIMO_Out"] is not None else (pb.R,)
-    out = torch.empty(pb.B, m.S_pad, *ranks, pb.H, pb.P, device=dev, dtype=x["Q"].dtype)
-    final_state = torch.empty(pb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
-    chunk_forward.launch(**_output_args(pb, x, c), dout=stand, out=out, dy=stand, dz=stand,
+    out = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=dev, dtype=x["Q"].dtype)
+    final_state = torch.empty(lpb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
+    chunk_forward.launch(**_output_args(lpb, xl, c), dout=stand, out=out, dy=stand, dz=stand,
                          part_o=stand, part_z=stand, part_w=stand, final_state=final_state,
                          grad=False)
-    angle = c["angles"][:, pb.S - 1].clone()  # [B, H, RD]
-    return (out[:, :pb.S].contiguous(), angle, final_state, _final_k(pb, x, angle),
-            x["V"][:, -1].clone())
+    angle = _last_rows(c["angles"], pk, lpb.S).clone()  # [., H, RD]
+    if pk is None:
+        out = out[:, :pb.S]
+    else:
+        out = packed.unpack(out, 1, pk)
+        # a sequence's final state enters its pad chunk
+        final_state = c["states"][0].index_select(1, pk.pad_chunks).permute(1, 0, 3, 2)
+    k_last = _last_rows(xl["K"], pk, lpb.S)
+    return (out.contiguous(), angle, final_state.contiguous(),
+            _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, lpb.S).clone())
 
 
 class Mamba3Mimo(torch.autograd.Function):
@@ -255,11 +325,11 @@ class Mamba3Mimo(torch.autograd.Function):
 # ops always return the four final states (cheap next to the output); an absent gradient is an
 # empty tensor in the backward op's outputs (an op's outputs cannot be None).
 
-def _problem(t: dict, chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool) -> Problem:
+def _problem(t: dict, cu_seqlens, chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool):
     init = None if t["state0"] is None else (t["angle0"], t["state0"], t["k0"], t["v0"])
     return validate(t["Q"], t["K"], t["V"], t["ADT"], t["DT"], t["Trap"], t["Q_bias"],
                     t["K_bias"], t["MIMO_V"], t["MIMO_Z"], t["MIMO_Out"], t["Angles"], t["D"],
-                    t["Z"], chunk_size, rotary_dim_divisor, None, None, fuse_norm,
+                    t["Z"], chunk_size, rotary_dim_divisor, None, cu_seqlens, fuse_norm,
                     t["norm_weight"], init)
 
 
@@ -268,26 +338,28 @@ def _fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tens
             Q_bias: Tensor, K_bias: Tensor, MIMO_V: Tensor, MIMO_Z: Optional[Tensor],
             MIMO_Out: Optional[Tensor], Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
             norm_weight: Optional[Tensor], angle0: Optional[Tensor], state0: Optional[Tensor],
-            k0: Optional[Tensor], v0: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
-            fuse_norm: bool, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            k0: Optional[Tensor], v0: Optional[Tensor], cu_seqlens: Optional[Tensor],
+            chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool,
+            eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
                                MIMO_Out, Angles, D, Z, norm_weight, angle0, state0, k0, v0)))
-    pb = _problem(t, chunk_size, rotary_dim_divisor, fuse_norm)
+    pb, cu = _problem(t, cu_seqlens, chunk_size, rotary_dim_divisor, fuse_norm)
     with on_device(pb.device):
-        return _forward(pb, dict(t, fuse_norm=fuse_norm, eps=eps))
+        return _forward(pb, dict(t, fuse_norm=fuse_norm, eps=eps, cu=cu))
 
 
 @_fwd_op.register_fake
 def _fwd_fake(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
-              norm_weight, angle0, state0, k0, v0, chunk_size, rotary_dim_divisor, fuse_norm,
-              eps):
+              norm_weight, angle0, state0, k0, v0, cu_seqlens, chunk_size, rotary_dim_divisor,
+              fuse_norm, eps):
     B, S, R, _, N = Q.shape
     H, P = V.shape[2], V.shape[3]
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # the states' rows
     ranks = () if MIMO_Out is not None else (R,)
     f32 = torch.float32
-    return (Q.new_empty(B, S, *ranks, H, P), Q.new_empty(B, H, Angles.shape[-1], dtype=f32),
-            Q.new_empty(B, H, P, N, dtype=f32), Q.new_empty(B, R, H, N, dtype=f32),
-            V.new_empty(B, H, P))
+    return (Q.new_empty(B, S, *ranks, H, P), Q.new_empty(n, H, Angles.shape[-1], dtype=f32),
+            Q.new_empty(n, H, P, N, dtype=f32), Q.new_empty(n, R, H, N, dtype=f32),
+            V.new_empty(n, H, P))
 
 
 @torch.library.custom_op("mamba3_mimo::operator_bwd", mutates_args=())
@@ -297,13 +369,13 @@ def _bwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tens
             norm_weight: Optional[Tensor], angle0: Optional[Tensor], state0: Optional[Tensor],
             k0: Optional[Tensor], v0: Optional[Tensor], d_out: Tensor, d_angle: Optional[Tensor],
             d_state: Optional[Tensor], d_k: Optional[Tensor], d_v: Optional[Tensor],
-            chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool,
-            eps: float) -> List[Tensor]:
+            cu_seqlens: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
+            fuse_norm: bool, eps: float) -> List[Tensor]:
     t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
                                MIMO_Out, Angles, D, Z, norm_weight, angle0, state0, k0, v0)))
-    pb = _problem(t, chunk_size, rotary_dim_divisor, fuse_norm)
+    pb, cu = _problem(t, cu_seqlens, chunk_size, rotary_dim_divisor, fuse_norm)
     with on_device(pb.device):
-        grads = _backward(pb, dict(t, fuse_norm=fuse_norm, eps=eps), d_out,
+        grads = _backward(pb, dict(t, fuse_norm=fuse_norm, eps=eps, cu=cu), d_out,
                           (d_angle, d_state, d_k, d_v))
     return [Q.new_empty(0) if g is None else g.contiguous() for g in grads]
 
@@ -311,7 +383,7 @@ def _bwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tens
 @_bwd_op.register_fake
 def _bwd_fake(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
               norm_weight, angle0, state0, k0, v0, d_out, d_angle, d_state, d_k, d_v,
-              chunk_size, rotary_dim_divisor, fuse_norm, eps):
+              cu_seqlens, chunk_size, rotary_dim_divisor, fuse_norm, eps):
     inputs = (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
               norm_weight, angle0, state0, k0, v0)
     return [Q.new_empty(0) if x is None else x.new_empty(x.shape) for x in inputs]
@@ -334,21 +406,29 @@ _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one)."""
-    c = prepare(pb, x)
+    pk, lpb, xl = layout(pb, x, x["cu"])
+    c = prepare(lpb, xl, pk)
     m = c["m"]
-    B, S, H, G, N, P, R = pb.B, pb.S, pb.H, pb.G, pb.N, pb.P, pb.R
+    B, L, H, G, N, P, R = lpb.B, lpb.S, pb.H, pb.G, pb.N, pb.P, pb.R  # L: the layout's steps
     S_pad, nc, dev = m.S_pad, m.nc, pb.device
     f32 = dict(device=dev, dtype=torch.float32)
     stand = placeholder(dev)
     # the gradients of the final angle, state, k and v (None where unused)
     d_angle_end, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
-    dout = _pad_steps(d_out.contiguous(), 1, S_pad)
+    if pk is None:
+        dout = _pad_steps(d_out.contiguous(), 1, S_pad)
+        d_final, d_ends = None if d_state is None else d_state.transpose(-1, -2), None
+    else:
+        dout = packed.pack(d_out, 1, pk)
+        d_ends = (torch.zeros(pk.n_seq, H, N, P, **f32) if d_state is None
+                  else d_state.transpose(-1, -2).contiguous())
+        d_final = d_ends[-1:]  # the last sequence's, where the reverse scan starts
     dy = torch.empty(B, S_pad, R, H, P, **f32)
     dz = torch.empty(B, S_pad, H, P, **f32) if pb.has_z else stand
     part_o = torch.empty(B * H, nc, R, P, **f32) if x["MIMO_Out"] is not None else stand
     part_z = torch.empty(B * H, nc, R, P, **f32) if pb.has_z else stand
     part_w = torch.empty(B * H, nc, P, **f32) if x["fuse_norm"] else stand
-    chunk_forward.launch(**_output_args(pb, x, c), dout=dout, out=stand, dy=dy, dz=dz,
+    chunk_forward.launch(**_output_args(lpb, xl, c), dout=dout, out=stand, dy=dy, dz=dz,
                          part_o=part_o, part_z=part_z, part_w=part_w, final_state=stand,
                          grad=True)
     g = chunk_grads.raw_y_grads(
@@ -356,39 +436,44 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         mimo_v=c["MIMO_V"], d=stand if x["D"] is None else x["D"].contiguous(),
         terms=c["terms"], cos=c["cos"], sin=c["sin"], da_cs=c["da_cs"],
         da_cs_rev=c["da_cs_rev"], segsum=c["segsum"], dy=dy, states=c["states"],
-        d_final_state=None if d_state is None else d_state.transpose(-1, -2), consts=m,
-        precision=m.PREC)
+        d_final_state=d_final, consts=m, precision=m.PREC,
+        starts=None if pk is None else pk.starts, d_ends=d_ends)
     # views of this call's own buffers: the final states' gradients are added in place
-    dK, d_angles = g["dk"][:, :S], g["d_angles"][:, :S]
+    dK, d_angles = g["dk"][:, :L], g["d_angles"][:, :L]
     if d_k is not None:
-        # final_k = rot(K + K_bias)[S - 1], per value head: its gradient rotated back joins dK
-        # (summed over a group's heads) and K_bias's; the angle's share as in chunk_grads
-        angle = c["angles"][:, S - 1]
-        kr, d_k = _final_k(pb, x, angle), d_k.float()
+        # final_k = rot(K + K_bias) at the last step, per value head: its gradient rotated back
+        # joins dK (summed over a group's heads) and K_bias's; the angle's share as in
+        # chunk_grads
+        angle = _last_rows(c["angles"], pk, L)
+        kr, d_k = _final_k(pb, _last_rows(xl["K"], pk, L), x["K_bias"], angle), d_k.float()
         back = _rotate(d_k, angle, inverse=True)
-        dK[:, S - 1] += back.view(B, R, G, H // G, N).sum(3)
+        _add_last_rows(dK, back.view(-1, R, G, H // G, N).sum(3), pk, L)
         d_k_bias = back.sum(0).transpose(0, 1)
         RD, half = angle.shape[-1], N // 2
-        d_angles[:, S - 1] += (d_k[..., half:half + RD] * kr[..., :RD]
-                               - d_k[..., :RD] * kr[..., half:half + RD]).sum(1)
+        _add_last_rows(d_angles, (d_k[..., half:half + RD] * kr[..., :RD]
+                                  - d_k[..., :RD] * kr[..., half:half + RD]).sum(1), pk, L)
     if d_angle_end is not None:
-        d_angles[:, S - 1] += d_angle_end
-    d_raw_angles, d_dt_angles = preprocess.angle_sum_backward(d_angles.contiguous(),
-                                                              x["Angles"], x["DT"])
-    d_dt, d_trap = trap_grads(g["d_gamma"][..., :S], g["d_trap_scale"][..., :S], x["DT"],
-                              x["Trap"])
+        _add_last_rows(d_angles, d_angle_end, pk, L)
+    if pk is None:
+        d_summed, d_angle0 = d_angles, d_angles.sum(1)  # each running angle holds angle0
+    else:
+        d_summed, d_angle0 = packed.restart_angles_backward(d_angles, pk)
+    d_raw_angles, d_dt_angles = preprocess.angle_sum_backward(d_summed.contiguous(),
+                                                              xl["Angles"], xl["DT"])
+    d_dt, d_trap = trap_grads(g["d_gamma"][..., :L], g["d_trap_scale"][..., :L], xl["DT"],
+                              xl["Trap"])
     d_dt = d_dt + d_dt_angles
-    dV = g["dv"][:, :S]
+    dV = g["dv"][:, :L]
     if d_v is not None:
-        dV[:, S - 1] += d_v
+        _add_last_rows(dV, d_v, pk, L)
     k_bias = g["part_kb"].sum((0, 1))
     grads = dict(
-        Q=g["dq"][:, :S], K=dK, V=dV, ADT=g["d_adt"][..., :S], DT=d_dt, Trap=d_trap,
+        Q=g["dq"][:, :L], K=dK, V=dV, ADT=g["d_adt"][..., :L], DT=d_dt, Trap=d_trap,
         Q_bias=g["part_qb"].sum((0, 1)), K_bias=k_bias if d_k is None else k_bias + d_k_bias,
         MIMO_V=g["part_psi"].view(B, H, nc, R, P).sum((0, 2)),
         Angles=d_raw_angles)
     if pb.has_z:
-        grads["Z"] = dz[:, :S]
+        grads["Z"] = dz[:, :L]
         grads["MIMO_Z"] = part_z.view(B, H, nc, R, P).sum((0, 2))
     if x["MIMO_Out"] is not None:
         grads["MIMO_Out"] = part_o.view(B, H, nc, R, P).sum((0, 2))
@@ -398,7 +483,14 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
     if x["state0"] is not None:
-        _initial_state_grads(x, g["dstates"][:, :, 0], d_angles, grads)
+        # the reverse scan's gradient of the state entering each sequence's first chunk
+        d_entering = (g["dstates"][:, :, 0] if pk is None else
+                      g["dstates"][0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
+        _initial_state_grads(xl, pk, d_entering, d_angle0, grads)
+    if pk is not None:  # back from the packed layout to the given steps
+        for name, dim in SEQ_DIM.items():
+            if name in grads:
+                grads[name] = packed.unpack(grads[name], dim, pk)
     out = []
     for name in TENSOR_ARGS:
         t = x[name]
@@ -431,17 +523,20 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
     TypeError naming a bad argument, NotImplementedError for cu_seqlens and an unsupported
     device. Under torch.compile it is the custom ops `mamba3_mimo::operator_fwd` and
     `operator_bwd` (no graph break)."""
-    pb = validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D,
-                  Z, chunk_size, rotary_dim_divisor, dtype, cu_seqlens,
-                  fuse_pregate_headwise_rms_norm, outproj_norm_weight, initial_state)
     init = (None,) * 4 if initial_state is None else tuple(initial_state)
-    opts = dict(return_state=bool(return_state), fuse_norm=bool(fuse_pregate_headwise_rms_norm),
-                eps=float(outproj_norm_eps))
+    fuse_norm = bool(fuse_pregate_headwise_rms_norm)
     if torch.compiler.is_compiling():
+        # traced as the custom op, whose implementation validates the call
+        _check_dtype(dtype, Q)
         outs = _fwd_op(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles,
-                       D, Z, outproj_norm_weight, *init, chunk_size, rotary_dim_divisor,
-                       opts["fuse_norm"], opts["eps"])
-        return outs if opts["return_state"] else outs[0]
+                       D, Z, outproj_norm_weight, *init, cu_seqlens, chunk_size,
+                       rotary_dim_divisor, fuse_norm, float(outproj_norm_eps))
+        return outs if return_state else outs[0]
+    pb, cu = validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles,
+                      D, Z, chunk_size, rotary_dim_divisor, dtype, cu_seqlens, fuse_norm,
+                      outproj_norm_weight, initial_state)
+    opts = dict(return_state=bool(return_state), fuse_norm=fuse_norm,
+                eps=float(outproj_norm_eps), cu=cu)
     with on_device(pb.device):
         return Mamba3Mimo.apply(pb, opts, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
                                 MIMO_Z, MIMO_Out, Angles, D, Z, outproj_norm_weight, *init)

@@ -1,0 +1,122 @@
+"""`mamba3_mimo(..., cu_seqlens=...)`, packed sequences (SPEC section 7) through the production
+kernels: every sequence restarts the angle sum, the decay and the state; the result equals
+running each sequence alone (outputs, one row of final states per sequence, every gradient) and
+both float64 references, with and without initial states, on sequences of one step, shorter
+than a chunk, of whole chunks and not."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from test_initial_state import OUT_NAMES, _assert_within, _f64, _grads, _ours, _run
+from test_reference_operator import _slice, make_args, state_for
+from mamba3_mimo import configs, mamba3_mimo
+from mamba3_mimo.configs import StateConfig
+from mamba3_mimo.reference import mamba3_mimo_reference, mamba3_mimo_stepwise
+
+F64 = torch.float64
+PER_STEP = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                        device=DEVICE)
+
+
+CASES = {
+    # name: (lengths, make_args kwargs, operator kwargs); chunk_size 4
+    "mixed": ([1, 6, 8, 3], dict(H=4, G=2, R=3, N=12, P=10), {}),
+    "per_rank_noz": ([5, 2], dict(H=2, G=1, R=2, N=8, P=6, mimo_out=False, z=False), {}),
+    "norm": ([3, 4, 9], dict(H=2, G=1, R=2, N=8, P=12),
+             dict(fuse_pregate_headwise_rms_norm=True)),
+    "one_sequence": ([7], dict(H=2, G=2, R=1, N=8, P=6), {}),
+}
+
+
+def _args(lengths, kw, seed):
+    return make_args(B=1, S=sum(lengths), chunk_size=4, rotary_dim_divisor=2, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_start", "given_start"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_references(case, with_state):
+    """Every output (one row of final states per sequence) and gradient against both float64
+    references, fp32 inputs."""
+    lengths, make_kw, op_kw = CASES[case]
+    args = _args(lengths, make_kw, seed=91)
+    init = state_for(args, seed=92) if with_state else None
+    if init is not None:  # one row per sequence
+        n = len(lengths)
+        init = tuple(torch.cat([x] * n) + 0.1 * torch.arange(n, dtype=F64).view(-1, *[1] * (
+            x.dim() - 1)) for x in init)
+    a, i = _ours(args, init)
+    cu = _cu(lengths)
+    got_out, got_grads = _run(mamba3_mimo, a, i, cu_seqlens=cu, **op_kw)
+    assert got_out["final_state"].shape[0] == len(lengths)
+    for ref in (mamba3_mimo_reference, mamba3_mimo_stepwise):
+        ra, ri = _f64(a, i)
+        want_out, want_grads = _run(ref, ra, ri, cu_seqlens=cu.cpu(), **op_kw)
+        assert set(got_grads) == set(want_grads)
+        _assert_within(got_out, want_out, f"{ref.__name__} outputs")
+        _assert_within(got_grads, want_grads, f"{ref.__name__} gradients")
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["split_pass", "fused_scan"])
+def test_equals_separate_runs(scan):
+    """The packed call's outputs, final states and gradients equal running each sequence alone
+    (per-step gradients side by side, the others summed), with either form of the state pass,
+    the loss reading every final state."""
+    lengths = [4, 1, 7, 5]
+    args = _args(lengths, dict(H=4, G=2, R=3, N=12, P=10), seed=95)
+    init = state_for(args, seed=96)
+    init = tuple(torch.cat([x] * len(lengths)) for x in init)
+    bounds = _cu(lengths).tolist()
+    with configs.override(state=[StateConfig(scan=scan, BJ=16, BP=16)]):
+        a, i = _ours(args, init)
+        whole_out, whole_grads = _run(mamba3_mimo, a, i, cu_seqlens=_cu(lengths))
+        a, i = _ours(args, init)
+        outs, gen = [], torch.Generator().manual_seed(5)
+        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            outs.append(mamba3_mimo(**_slice(a, lo, hi), return_state=True,
+                                    initial_state=tuple(x[j:j + 1] for x in i)))
+        joined = [torch.cat([o[0] for o in outs], 1)] + [
+            torch.cat([o[k] for o in outs], 0) for k in range(1, 5)]
+        loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=F64).to(o.device))
+                   .sum() for o in joined)
+        loss.backward()
+    alone_out = dict(zip(OUT_NAMES, [o.detach().cpu() for o in joined]))
+    _assert_within(whole_out, alone_out, "packed against separate runs: outputs")
+    _assert_within(whole_grads, _grads(a, i), "packed against separate runs: gradients")
+
+
+def test_compiled_packed():
+    """torch.compile(fullgraph=True) with cu_seqlens and an initial state per sequence: the
+    eager results bit for bit."""
+    lengths = [3, 5]
+    args = _args(lengths, dict(H=2, G=1, R=2, N=8, P=6), seed=97)
+    init = tuple(torch.cat([x] * 2) for x in state_for(args, seed=98))
+    a, i = _ours(args, init)
+    want_out, want_grads = _run(mamba3_mimo, a, i, cu_seqlens=_cu(lengths))
+    compiled = torch.compile(mamba3_mimo, fullgraph=True,
+                             backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    a, i = _ours(args, init)
+    got_out, got_grads = _run(compiled, a, i, cu_seqlens=_cu(lengths))
+    for name in OUT_NAMES:
+        assert torch.equal(got_out[name], want_out[name]), name
+    for name, g in want_grads.items():
+        assert torch.equal(got_grads[name], g), name
+
+
+@pytest.mark.parametrize("cu,B,match", [
+    ([0, 3, 3, 8], 1, "increase strictly"),
+    ([0, 3, 7], 1, "end at S = 8"),
+    ([1, 3, 8], 1, "start at 0"),
+    ([0, 3, 8], 2, "B = 1"),
+    (None, 1, "int32 or int64"),
+])
+def test_bad_cu_seqlens(cu, B, match):
+    args = make_args(B=B, S=8, H=2, G=1, R=2, N=8, P=4, chunk_size=4, seed=99)
+    a, _ = _ours(args, None)
+    bad = (torch.tensor([0.0, 8.0], device=DEVICE) if cu is None
+           else torch.tensor(cu, dtype=torch.int64, device=DEVICE))
+    with pytest.raises((TypeError, ValueError), match=match):
+        mamba3_mimo(**a, cu_seqlens=bad)
