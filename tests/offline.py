@@ -92,13 +92,14 @@ def call_launches(shape: Shape, arch: int, z_gate: bool = True,
 def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
                       fused_norm: bool = False) -> List[tuple]:
     """(fn, grid, args, options) of every launch of one forward and backward of the whole
-    operator on this shape (bf16 inputs, D on), recorded on CPU tensors without launching
-    anything (the recorded calls do nothing, so the values computed are meaningless)."""
+    operator on this shape (bf16 inputs, D on) and of one decode step (mamba3_mimo_step),
+    recorded on CPU tensors without launching anything (the recorded calls do nothing, so the
+    values computed are meaningless)."""
     if interpreter_active():
         raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing")
     from triton.runtime.jit import JITFunction
     from mamba3_mimo.inputs import operator_inputs
-    from mamba3_mimo.phases import operator
+    from mamba3_mimo.phases import operator, step
     from mamba3_mimo.runtime import launcher
     recorded = []
 
@@ -115,17 +116,38 @@ def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
     if fused_norm:
         args["fuse_pregate_headwise_rms_norm"] = True
     measured = arch // 10 in configs.MEASURED_MAJORS
-    saved = (JITFunction.run, launcher.DIRECT, operator.check_device)
+    saved = (JITFunction.run, launcher.DIRECT, operator.check_device, step.check_device)
     try:
         JITFunction.run = record
         launcher.DIRECT = False  # every launch through JITFunction.run
-        operator.check_device = lambda device: None  # CPU tensors stand for the GPU's
+        # CPU tensors stand for the GPU's
+        operator.check_device = step.check_device = lambda device: None
         with configs.override(measured_arch=measured):
             out = operator.mamba3_mimo(**args)
             out.float().sum().backward()
+            _decode_step(args, shape, step.mamba3_mimo_step)
     finally:
-        JITFunction.run, launcher.DIRECT, operator.check_device = saved
+        (JITFunction.run, launcher.DIRECT, operator.check_device,
+         step.check_device) = saved
     return recorded
+
+
+def _decode_step(args: dict, shape: Shape, step_fn) -> None:
+    """One decode step on the operator's arguments' first token, from a zero state."""
+    B, H, P, N, R = shape.B, shape.H, shape.P, shape.N, shape.R
+    RD = args["Angles"].shape[-1]
+    token = {k: v for k, v in args.items()
+             if k not in ("chunk_size", "rotary_dim_divisor", "dtype",
+                          "fuse_pregate_headwise_rms_norm")}
+    for name, dim in (("Q", 1), ("K", 1), ("V", 1), ("Z", 1), ("Angles", 1), ("ADT", 2),
+                      ("DT", 2), ("Trap", 2)):
+        if token[name] is not None:
+            token[name] = token[name].detach().select(dim, 0)
+    token = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in token.items()}
+    state = (torch.zeros(B, H, RD), torch.zeros(B, H, P, N), torch.zeros(B, R, H, N),
+             torch.zeros(B, H, P, dtype=args["V"].dtype))
+    step_fn(**token, state=state,
+            fuse_pregate_headwise_rms_norm=args.get("fuse_pregate_headwise_rms_norm", False))
 
 
 def compile_for(fn, args: tuple, options: dict, arch: int):

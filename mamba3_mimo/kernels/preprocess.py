@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..runtime.device import on_device
 from . import cdiv, next_pow2
+from .common import tanh
 
 TWO_PI = 2 * math.pi
 # decay pieces: the [C, C] segsum block of a chunk is one register tile
@@ -27,13 +28,6 @@ MAX_CHUNK = 128
 # (b, h): each block waits for its loads, so fewer, larger blocks (H200, 2026-12-03: 64-step
 # blocks at 4 warps took 0.17 ms per call at N128_P64_R4_C16, B = 4)
 BLOCK_STEPS = 128
-
-
-@triton.jit
-def _tanh(x):
-    """tanh(x) = 2 sigmoid(2x) - 1 (Triton 3.6 has no tanh that the interpreter runs): about one
-    ulp of 1 in absolute error, which is what the angles, a running sum, need."""
-    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
 @triton.jit(do_not_specialize=["S", "sab", "sdb", "sdh", "sob"])
@@ -76,7 +70,7 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
         m = sm[:, None] & rm[None, :]
         x = tl.load(angles_raw + raw_at + s0 * sas + raw_off, mask=m, other=0.0)
         d = tl.load(dt + dt_at + s0 * sds + i * sds, mask=sm, other=0.0)
-        th = _tanh(x)
+        th = tanh(x)
         if REVERSE:
             g_out = tl.load(d_angles + out_at + s0 * sos + out_off, mask=m, other=0.0)
             # g[u] = carry + sum_{t>=u in the block} g_out[t]: the block's total minus the

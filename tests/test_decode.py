@@ -1,0 +1,98 @@
+"""`mamba3_mimo_step`, the in-place decode step (SPEC section 7): prefill S tokens with the operator,
+then step T tokens, and the outputs and the final state equal the operator's over S + T tokens;
+the state is updated in place and the output written into a given buffer; deterministic."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from test_reference_operator import make_args
+from mamba3_mimo import mamba3_mimo, mamba3_mimo_step
+from mamba3_mimo.testing import THRESHOLDS, rel_rms
+
+LIMIT = THRESHOLDS[torch.float32]
+STEP_DIM = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
+
+CASES = {
+    # name: (make_args kwargs, operator kwargs, norm weight shape)
+    "z_d_gqa": (dict(B=2, H=4, G=2, R=3, N=12, P=10, chunk_size=4, rotary_dim_divisor=2), {},
+                None),
+    "noz_nod_per_rank": (dict(B=3, H=2, G=1, R=2, N=8, P=6, chunk_size=5, z=False, d=False,
+                              mimo_out=False), {}, None),
+    "norm_blocks": (dict(B=1, H=2, G=1, R=2, N=48, P=40, chunk_size=4),
+                    dict(fuse_pregate_headwise_rms_norm=True), (2, 40)),
+}
+
+
+def _fp32(args, device=DEVICE):
+    a = {k: (v.detach().to(device=device, dtype=torch.float32) if isinstance(v, torch.Tensor)
+             else v) for k, v in args.items()}
+    a["dtype"] = torch.float32
+    return a
+
+
+def _steps(a, lo, hi):
+    s = dict(a)
+    for name, dim in STEP_DIM.items():
+        if s[name] is not None:
+            s[name] = s[name].narrow(dim, lo, hi - lo)
+    return s
+
+
+def _token(a, t):
+    """The step arguments of token t: no S axis."""
+    kw = {k: v for k, v in a.items() if k not in ("chunk_size", "rotary_dim_divisor", "dtype")}
+    for name, dim in STEP_DIM.items():
+        if kw[name] is not None:
+            kw[name] = kw[name].select(dim, t)
+    return kw
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_then_decode_equals_forward(case):
+    make_kw, op_kw, w_shape = CASES[case]
+    S, T = 7, 5
+    a = _fp32(make_args(S=S + T, seed=101, **make_kw))
+    w = None if w_shape is None else 1 + 0.3 * torch.randn(
+        w_shape, generator=torch.Generator().manual_seed(102)).to(DEVICE)
+    whole = mamba3_mimo(**a, return_state=True, outproj_norm_weight=w, **op_kw)
+    first = mamba3_mimo(**_steps(a, 0, S), return_state=True, outproj_norm_weight=w, **op_kw)
+    state = tuple(x.clone() for x in first[1:])
+    ids = [x.data_ptr() for x in state]
+    out = torch.empty_like(whole[0][:, 0])
+    outs = []
+    for t in range(S, S + T):
+        got = mamba3_mimo_step(**_token(a, t), state=state, outproj_norm_weight=w, out=out,
+                               **op_kw)
+        assert got is out
+        outs.append(got.clone())
+    assert [x.data_ptr() for x in state] == ids
+    err = rel_rms(torch.stack(outs, 1).cpu(), whole[0][:, S:].cpu())
+    assert err <= LIMIT, f"decoded outputs: {err:.2e}"
+    for name, got, want in zip(("angle", "state", "k", "v"), state, whole[1:]):
+        err = rel_rms(got.cpu(), want.cpu())
+        assert err <= LIMIT, f"state {name} after decoding: {err:.2e}"
+
+
+def test_decode_is_deterministic():
+    a = _fp32(make_args(B=2, S=3, H=2, G=1, R=2, N=8, P=6, chunk_size=4, seed=103))
+    first = mamba3_mimo(**_steps(a, 0, 2), return_state=True)
+    results = []
+    for _ in range(2):
+        state = tuple(x.clone() for x in first[1:])
+        out = mamba3_mimo_step(**_token(a, 2), state=state)
+        results.append((out, state))
+    assert torch.equal(results[0][0], results[1][0])
+    for x, y in zip(results[0][1], results[1][1]):
+        assert torch.equal(x, y)
+
+
+def test_bad_state():
+    a = _fp32(make_args(B=1, S=3, H=2, G=1, R=2, N=8, P=6, chunk_size=4, seed=104))
+    _, angle, state, k, v = mamba3_mimo(**a, return_state=True)
+    with pytest.raises(TypeError, match="state must be a tuple"):
+        mamba3_mimo_step(**_token(a, 2), state=(angle, state, k))
+    with pytest.raises(ValueError, match=r"state\[1\] \(state\) must be contiguous"):
+        mamba3_mimo_step(**_token(a, 2), state=(angle, state.transpose(-1, -2).contiguous()
+                                                .transpose(-1, -2), k, v))
+    with pytest.raises(ValueError, match=r"state\[2\] \(k\) must have shape"):
+        mamba3_mimo_step(**_token(a, 2), state=(angle, state, k[:, :1], v))
