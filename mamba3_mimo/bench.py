@@ -406,8 +406,10 @@ def write_results(out_dir: Path, rows: List[dict], gms: dict, text: str,
     print(f"wrote results.json, results.md, results.png to {out_dir}", file=sys.stderr)
 
 
-def arg_parser(prog: str, description: str, out: str, upstream: Path) -> argparse.ArgumentParser:
-    """The options both benchmarks take: --shapes, --rounds, --rep-ms, --out, --upstream."""
+def arg_parser(prog: str, description: str, out: str,
+               upstream: Optional[Path] = None) -> argparse.ArgumentParser:
+    """The options the benchmarks take: --shapes, --rounds, --rep-ms, --out, and --upstream
+    where there are upstream times to compare with."""
     p = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     p.add_argument("--shapes", help="keep shapes whose label contains one of these "
                    "comma-separated substrings (e.g. N128_P64,control)")
@@ -417,8 +419,9 @@ def arg_parser(prog: str, description: str, out: str, upstream: Path) -> argpars
                         "Triton's default; 25 fits the whole grid in a few minutes)")
     p.add_argument("--out", type=Path, default=Path(out),
                    help=f"folder for results.json, results.md, results.png (default {out})")
-    p.add_argument("--upstream", type=Path, default=upstream,
-                   help=f"upstream's times (default: the package's data/{upstream.name})")
+    if upstream is not None:
+        p.add_argument("--upstream", type=Path, default=upstream,
+                       help=f"upstream's times (default: the package's data/{upstream.name})")
     return p
 
 

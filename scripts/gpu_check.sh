@@ -5,6 +5,9 @@
 # operator: the whole operator's tests (printing each official shape's errors) and its
 # benchmark (python -m mamba3_mimo.bench_operator, options passed on) into $OUT/operator.log
 # and $OUT/operator/results.{json,md,png}.
+# sequences: the tests of initial states, packed sequences and the decode step (full-size GPU
+# cases included, printing their errors) and their benchmark (python -m
+# mamba3_mimo.bench_sequences) into $OUT/sequences.log and $OUT/sequences/results.*.
 # validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
 # $OUT/san.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
@@ -17,8 +20,9 @@ set -o pipefail
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$part" in
-  tests|bench|all|sanitize|validate|operator) ;;
-  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator] [bench options]" >&2
+  tests|bench|all|sanitize|validate|operator|sequences) ;;
+  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator|sequences]" \
+          "[bench options]" >&2
      exit 2 ;;
 esac
 if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
@@ -26,16 +30,32 @@ if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
   exit 2
 fi
 cd "$(dirname "$0")/.." || exit 2
-if [ "$part" = operator ]; then
+# tests_then_bench NAME PATTERN BENCH_TIMEOUT TEST_FILES... -- BENCH_OPTIONS...: the test files
+# into $OUT/NAME.log (the lines matching PATTERN shown), then python -m mamba3_mimo.bench_NAME
+# into $OUT/NAME/results.*
+tests_then_bench() {
+  local name="$1" pattern="$2" bench_timeout="$3" files=() status=0
+  shift 3
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do files+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  status=0
   timeout "${TEST_TIMEOUT:-600}" "${PYTHON:-python3}" -m pytest -q -s -p no:cacheprovider \
-    tests/test_operator.py tests/test_chunk_grads.py tests/test_preprocess.py \
-    > "$OUT/operator.log" 2>&1 || status=$?
-  grep -E "^N[0-9]+_|passed|failed|error" "$OUT/operator.log"
-  TRITON_CACHE_DIR="$(mktemp -d)" timeout "${BENCH_TIMEOUT:-1500}" "${PYTHON:-python3}" \
-    -m mamba3_mimo.bench_operator --out "$OUT/operator" "$@" 2>&1 | tail -40 || status=$?
-  exit "$status"
+    "${files[@]}" > "$OUT/$name.log" 2>&1 || status=$?
+  grep -E "$pattern|passed|failed|error" "$OUT/$name.log"
+  TRITON_CACHE_DIR="$(mktemp -d)" timeout "${BENCH_TIMEOUT:-$bench_timeout}" \
+    "${PYTHON:-python3}" -m "mamba3_mimo.bench_$name" --out "$OUT/$name" "$@" 2>&1 \
+    | tail -40 || status=$?
+  return "$status"
+}
+if [ "$part" = operator ]; then
+  tests_then_bench operator "^N[0-9]+_" 1500 tests/test_operator.py tests/test_chunk_grads.py \
+    tests/test_preprocess.py -- "$@"
+  exit $?
+fi
+if [ "$part" = sequences ]; then
+  tests_then_bench sequences "^(packed|split|decode) " 900 tests/test_initial_state.py \
+    tests/test_packed.py tests/test_decode.py -- "$@"
+  exit $?
 fi
 if [ "$part" = validate ]; then
   # the sanitizer's time is mostly compilation on the CPU, so the two share the machine well

@@ -191,3 +191,35 @@ def test_operator_benchmark_needs_a_gpu():
         pytest.skip("checks the refusal without a GPU")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bo.main(["--out", "/tmp/unused"])
+
+
+# ---------------------------------------------------------------------------- sequences
+
+def test_random_lengths():
+    from mamba3_mimo.bench_sequences import random_lengths
+    lengths = random_lengths(8192, 8, seed=3)
+    assert len(lengths) == 8 and sum(lengths) == 8192 and min(lengths) >= 1
+    assert lengths == random_lengths(8192, 8, seed=3) and len(set(lengths)) > 1
+
+
+def test_sequences_report(tmp_path):
+    """The sequences benchmark's report: the packed/dense ratio and the decode rows with their
+    floors, in results.json and results.md."""
+    from mamba3_mimo import bench_sequences as bs
+    rows = [dict(kind="packed", shape="N128_P64_R4_C16", total_steps=8192, lengths=[8192],
+                 dense_fwd_bwd_ms=2.0, packed_fwd_bwd_ms=2.2, packed_over_dense=1.1),
+            dict(kind="decode", shape="N128_P64_R4_C16", B=16, ms_per_token=0.01,
+                 floor_ms=0.002, over_floor=5.0)]
+    meta = dict(date="2026-12-03", gpu="test", git_commit="abc", torch="x", triton="y")
+    text = bs.report(rows, meta, 1, tmp_path)
+    assert "| N128_P64_R4_C16 | 2.000 | 2.200 | 1.10 |" in text
+    assert "| N128_P64_R4_C16 | 16 | 0.0100 | 0.0020 | 5.0 |" in text
+    assert json.loads((tmp_path / "results.json").read_text())["results"][1]["B"] == 16
+
+
+def test_sequences_benchmark_needs_a_gpu():
+    from mamba3_mimo import bench_sequences as bs
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without a GPU")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bs.main(["--out", "/tmp/unused"])

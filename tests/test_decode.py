@@ -4,7 +4,7 @@ the state is updated in place and the output written into a given buffer; determ
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, requires_gpu
 from test_reference_operator import make_args
 from mamba3_mimo import mamba3_mimo, mamba3_mimo_step
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
@@ -96,3 +96,35 @@ def test_bad_state():
                                                 .transpose(-1, -2), k, v))
     with pytest.raises(ValueError, match=r"state\[2\] \(k\) must have shape"):
         mamba3_mimo_step(**_token(a, 2), state=(angle, state, k[:, :1], v))
+
+
+@requires_gpu
+@pytest.mark.parametrize("B", [1, 16, 256])
+def test_decode_on_the_gpu(B):
+    """N128_P64_R4_C16 (H = 16), bf16: a prefill of 64 tokens by the operator, then 8 tokens by
+    the step; the decoded outputs and the final state within the bf16 threshold of the float64
+    reference over all 72 tokens."""
+    from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo.problem import Shape
+    from mamba3_mimo.reference import mamba3_mimo_reference
+    S, T = 64, 8
+    args = operator_inputs(Shape(B, S + T, 16, 1, 128, 64, 4, 16), torch.float64, seed=121)
+    bf = {k: (v.to(DEVICE, torch.bfloat16 if k in ("Q", "K", "V", "Z", "Trap")
+                   else torch.float32) if isinstance(v, torch.Tensor) else v)
+          for k, v in args.items()}
+    bf["dtype"] = torch.bfloat16
+    ref = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in bf.items()}
+    ref["dtype"] = torch.float64
+    want = mamba3_mimo_reference(**ref, return_state=True)
+    first = mamba3_mimo(**_steps(bf, 0, S), return_state=True)
+    state = tuple(x.clone() for x in first[1:])
+    out = torch.empty(B, 16, 64, device=DEVICE, dtype=torch.bfloat16)
+    outs = []
+    for t in range(S, S + T):
+        outs.append(mamba3_mimo_step(**_token(bf, t), state=state, out=out).clone())
+    errors = {"out": rel_rms(torch.stack(outs, 1), want[0][:, S:])}
+    errors.update({name: rel_rms(got, w) for name, got, w in
+                   zip(("angle", "state", "k", "v"), state, want[1:])})
+    print(f"\ndecode B={B} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.bfloat16]}
+    assert not bad, bad

@@ -5,7 +5,7 @@ and gradients; a zero initial state equals none; a one-step call is a decode ste
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, requires_gpu
 from test_reference_operator import STATE_NAMES, _slice, make_args, state_for
 from mamba3_mimo import configs, mamba3_mimo
 from mamba3_mimo.configs import StateConfig
@@ -170,3 +170,29 @@ def test_bad_initial_state(bad, match):
     a, i = _ours(args, state_for(args, seed=82))
     with pytest.raises((TypeError, ValueError), match=match):
         mamba3_mimo(**a, initial_state=bad(i))
+
+
+@requires_gpu
+def test_split_full_size_on_the_gpu():
+    """N128_P64_R4_C16 (H = 16), B = 2, S = 2048, bf16, split at step 1000 (inside a chunk):
+    the two calls' outputs and final state within the bf16 threshold of the float64 reference
+    of the whole sequence."""
+    from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo.problem import Shape
+    args = operator_inputs(Shape(2, 2048, 16, 1, 128, 64, 4, 16), F64, seed=131)
+    bf = {k: (v.to(DEVICE, torch.bfloat16 if k in ("Q", "K", "V", "Z", "Trap")
+                   else torch.float32) if isinstance(v, torch.Tensor) else v)
+          for k, v in args.items()}
+    bf["dtype"] = torch.bfloat16
+    ref = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in bf.items()}
+    ref["dtype"] = F64
+    want = mamba3_mimo_reference(**ref, return_state=True)
+    first = mamba3_mimo(**_slice(bf, 0, 1000), return_state=True)
+    second = mamba3_mimo(**_slice(bf, 1000, 2048), return_state=True,
+                         initial_state=tuple(first[1:]))
+    got = (torch.cat([first[0], second[0]], 1),) + tuple(second[1:])
+    errors = {n: rel_rms(g, w) for n, g, w in zip(OUT_NAMES, got, want)}
+    print("\nsplit " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    bad = {n: f"{e:.2e}" for n, e in errors.items()
+           if not e <= THRESHOLDS[torch.bfloat16]}
+    assert not bad, bad

@@ -6,7 +6,7 @@ than a chunk, of whole chunks and not."""
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, requires_gpu
 from test_initial_state import OUT_NAMES, _assert_within, _f64, _grads, _ours, _run
 from test_reference_operator import _slice, make_args, state_for
 from mamba3_mimo import configs, mamba3_mimo
@@ -120,3 +120,35 @@ def test_bad_cu_seqlens(cu, B, match):
            else torch.tensor(cu, dtype=torch.int64, device=DEVICE))
     with pytest.raises((TypeError, ValueError), match=match):
         mamba3_mimo(**a, cu_seqlens=bad)
+
+
+@requires_gpu
+def test_full_size_on_the_gpu():
+    """Eight sequences of random lengths summing to 4 x 2048 steps at N128_P64_R4_C16 (H = 16),
+    bf16, with an initial state per sequence: every output and gradient within the bf16
+    threshold of the float64 chunked reference (run on the GPU)."""
+    from test_operator import _leaves, _run
+    from mamba3_mimo.bench_sequences import random_lengths
+    from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo.problem import Shape
+    from mamba3_mimo.testing import THRESHOLDS, rel_rms
+    lengths = random_lengths(8192, 8, seed=1)
+    args = operator_inputs(Shape(1, 8192, 16, 1, 128, 64, 4, 16), F64, seed=111)
+    init = tuple(torch.cat([x] * 8) for x in state_for(args, seed=112))
+    ours, _ = _leaves(args, torch.bfloat16, DEVICE, None)
+    ours_init = tuple(x.to(DEVICE, torch.float32) for x in init[:3]) + (
+        init[3].to(DEVICE, torch.bfloat16),)
+    cu = _cu(lengths)
+    got_out, got_grads = _run(mamba3_mimo, ours, None, {}, cu_seqlens=cu,
+                              initial_state=ours_init)
+    ref = {k: (v.detach().double().requires_grad_(True) if isinstance(v, torch.Tensor) else v)
+           for k, v in ours.items()}
+    ref["dtype"] = F64
+    ref_init = tuple(x.double() for x in ours_init)
+    want_out, want_grads = _run(mamba3_mimo_reference, ref, None, {}, like=got_out,
+                                cu_seqlens=cu, initial_state=ref_init)
+    errors = {n: rel_rms(got_out[n], want_out[n]) for n in OUT_NAMES}
+    errors.update({f"d{n}": rel_rms(got_grads[n], want_grads[n]) for n in want_grads})
+    print("\npacked N128_P64_R4_C16 " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.bfloat16]}
+    assert not bad, bad
