@@ -117,7 +117,7 @@ def _restart(running, init, starts, c, live, bh, n_bh, NP_SIZE, off, m):
     return tl.where(j >= 0, fresh, running)
 
 
-@triton.jit(do_not_specialize=["S_pad", "nc"])
+@triton.jit(do_not_specialize=["S_pad", "nc", "n_bh"])
 def state_passing_kernel(inc, da_cs, states, init, starts, S_pad, nc, C, U, n_bh,
                          NP_SIZE: tl.constexpr, BLOCK: tl.constexpr, DEPTH: tl.constexpr,
                          KEEP_FP32: tl.constexpr, HAS_INIT: tl.constexpr,
