@@ -526,8 +526,14 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
     init = (None,) * 4 if initial_state is None else tuple(initial_state)
     fuse_norm = bool(fuse_pregate_headwise_rms_norm)
     if torch.compiler.is_compiling():
-        # traced as the custom op, whose implementation validates the call
-        _check_dtype(dtype, Q)
+        # traced as the custom op; the checks run at trace time, but for packed sequences,
+        # whose boundaries the op's implementation reads and checks
+        if cu_seqlens is None:
+            validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles,
+                     D, Z, chunk_size, rotary_dim_divisor, dtype, None, fuse_norm,
+                     outproj_norm_weight, initial_state)
+        else:
+            _check_dtype(dtype, Q)
         outs = _fwd_op(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles,
                        D, Z, outproj_norm_weight, *init, cu_seqlens, chunk_size,
                        rotary_dim_divisor, fuse_norm, float(outproj_norm_eps))
