@@ -100,7 +100,7 @@ def test_split_equals_whole(with_state):
     """out(x[:s]) ++ out(x[s:], initial_state=state(x[:s])) equals out(x), and so do the final
     states and the gradients of every input (the chain's initial state too), for s = 1, inside
     a chunk, at a chunk boundary and s = S - 1 (the second call then a decode step)."""
-    args = make_args(B=2, S=13, H=4, G=2, R=3, N=12, P=10, chunk_size=4, seed=51)
+    args = make_args(B=1, S=13, H=2, G=1, R=3, N=12, P=10, chunk_size=4, seed=51)
     init = state_for(args, seed=52) if with_state else None
     S = args["Q"].shape[1]
 
