@@ -23,14 +23,14 @@ from .bench import _fmt, arg_parser, bar_plot, md_table, progress, require_gpu, 
 from .bench import write_results
 from .inputs import operator_inputs
 from .phases.operator import mamba3_mimo
-from .phases.step import mamba3_mimo_step
+from .phases.operator import SEQ_DIM
+from .phases.step import mamba3_mimo_step, step_arguments
 from .problem import Shape, official_shapes
 
 SHAPES = ("N64_P64_R4_C16", "N128_P64_R4_C16")
 DECODE_BATCHES = (1, 16, 256)
 PACKED_SEQUENCES = 8
 HBM_BYTES_PER_S = 4.3e12  # the H200's bandwidth (shared/BENCHMARK.md)
-STEP_DIM = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
 
 
 def random_lengths(total: int, n: int, seed: int = 0) -> List[int]:
@@ -84,11 +84,7 @@ def decode_case(shape: Shape, B: int, rounds: int, rep_ms: int) -> dict:
     """ms per token of the decode step at batch B, and the floor of moving the state once."""
     s = Shape(B, 1, shape.H, shape.G, shape.N, shape.P, shape.R, shape.C)
     args = operator_inputs(s, torch.bfloat16, device="cuda", seed=0)
-    token = {k: v for k, v in args.items()
-             if k not in ("chunk_size", "rotary_dim_divisor", "dtype")}
-    for name, dim in STEP_DIM.items():
-        if token[name] is not None:
-            token[name] = token[name].select(dim, 0)
+    token = step_arguments(args, 0)
     H, P, N, R = shape.H, shape.P, shape.N, shape.R
     RD = token["Angles"].shape[-1]
     f32 = dict(device="cuda", dtype=torch.float32)
@@ -105,7 +101,7 @@ def decode_case(shape: Shape, B: int, rounds: int, rep_ms: int) -> dict:
     # the state read and written once: h [P, N] and k [R, N] fp32, angle, v; and the token's
     # inputs read and output written
     state_bytes = B * H * (P * N + R * N + RD) * 4 + B * H * P * 2
-    token_bytes = sum(token[name].numel() * token[name].element_size() for name in STEP_DIM
+    token_bytes = sum(token[name].numel() * token[name].element_size() for name in SEQ_DIM
                       if token[name] is not None)
     floor_ms = (2 * state_bytes + token_bytes + out.numel() * 2) / HBM_BYTES_PER_S * 1e3
     return dict(kind="decode", shape=shape.name, B=B, ms_per_token=ms, floor_ms=floor_ms,

@@ -136,18 +136,12 @@ def _decode_step(args: dict, shape: Shape, step_fn) -> None:
     """One decode step on the operator's arguments' first token, from a zero state."""
     B, H, P, N, R = shape.B, shape.H, shape.P, shape.N, shape.R
     RD = args["Angles"].shape[-1]
-    token = {k: v for k, v in args.items()
-             if k not in ("chunk_size", "rotary_dim_divisor", "dtype",
-                          "fuse_pregate_headwise_rms_norm")}
-    for name, dim in (("Q", 1), ("K", 1), ("V", 1), ("Z", 1), ("Angles", 1), ("ADT", 2),
-                      ("DT", 2), ("Trap", 2)):
-        if token[name] is not None:
-            token[name] = token[name].detach().select(dim, 0)
-    token = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in token.items()}
+    from mamba3_mimo.phases.step import step_arguments
+    token = {k: (v.detach() if isinstance(v, torch.Tensor) else v)
+             for k, v in step_arguments(args, 0).items()}
     state = (torch.zeros(B, H, RD), torch.zeros(B, H, P, N), torch.zeros(B, R, H, N),
              torch.zeros(B, H, P, dtype=args["V"].dtype))
-    step_fn(**token, state=state,
-            fuse_pregate_headwise_rms_norm=args.get("fuse_pregate_headwise_rms_norm", False))
+    step_fn(**token, state=state)
 
 
 def compile_for(fn, args: tuple, options: dict, arch: int):

@@ -7,10 +7,11 @@ import torch
 from conftest import DEVICE, requires_gpu
 from test_reference_operator import make_args
 from mamba3_mimo import mamba3_mimo, mamba3_mimo_step
+from mamba3_mimo.phases.operator import SEQ_DIM
+from mamba3_mimo.phases.step import step_arguments
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
 
 LIMIT = THRESHOLDS[torch.float32]
-STEP_DIM = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
 
 CASES = {
     # name: (make_args kwargs, operator kwargs, norm weight shape)
@@ -20,6 +21,8 @@ CASES = {
                               mimo_out=False), {}, None),
     "norm_blocks": (dict(B=1, H=2, G=1, R=2, N=48, P=40, chunk_size=4),
                     dict(fuse_pregate_headwise_rms_norm=True), (2, 40)),
+    "norm_unweighted": (dict(B=2, H=2, G=2, R=1, N=8, P=12, chunk_size=4),
+                        dict(fuse_pregate_headwise_rms_norm=True), None),
 }
 
 
@@ -32,19 +35,10 @@ def _fp32(args, device=DEVICE):
 
 def _steps(a, lo, hi):
     s = dict(a)
-    for name, dim in STEP_DIM.items():
+    for name, dim in SEQ_DIM.items():
         if s[name] is not None:
             s[name] = s[name].narrow(dim, lo, hi - lo)
     return s
-
-
-def _token(a, t):
-    """The step arguments of token t: no S axis."""
-    kw = {k: v for k, v in a.items() if k not in ("chunk_size", "rotary_dim_divisor", "dtype")}
-    for name, dim in STEP_DIM.items():
-        if kw[name] is not None:
-            kw[name] = kw[name].select(dim, t)
-    return kw
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -61,7 +55,7 @@ def test_prefill_then_decode_equals_forward(case):
     out = torch.empty_like(whole[0][:, 0])
     outs = []
     for t in range(S, S + T):
-        got = mamba3_mimo_step(**_token(a, t), state=state, outproj_norm_weight=w, out=out,
+        got = mamba3_mimo_step(**step_arguments(a, t), state=state, outproj_norm_weight=w, out=out,
                                **op_kw)
         assert got is out
         outs.append(got.clone())
@@ -79,7 +73,7 @@ def test_decode_is_deterministic():
     results = []
     for _ in range(2):
         state = tuple(x.clone() for x in first[1:])
-        out = mamba3_mimo_step(**_token(a, 2), state=state)
+        out = mamba3_mimo_step(**step_arguments(a, 2), state=state)
         results.append((out, state))
     assert torch.equal(results[0][0], results[1][0])
     for x, y in zip(results[0][1], results[1][1]):
@@ -90,12 +84,12 @@ def test_bad_state():
     a = _fp32(make_args(B=1, S=3, H=2, G=1, R=2, N=8, P=6, chunk_size=4, seed=104))
     _, angle, state, k, v = mamba3_mimo(**a, return_state=True)
     with pytest.raises(TypeError, match="state must be a tuple"):
-        mamba3_mimo_step(**_token(a, 2), state=(angle, state, k))
+        mamba3_mimo_step(**step_arguments(a, 2), state=(angle, state, k))
     with pytest.raises(ValueError, match=r"state\[1\] \(state\) must be contiguous"):
-        mamba3_mimo_step(**_token(a, 2), state=(angle, state.transpose(-1, -2).contiguous()
+        mamba3_mimo_step(**step_arguments(a, 2), state=(angle, state.transpose(-1, -2).contiguous()
                                                 .transpose(-1, -2), k, v))
     with pytest.raises(ValueError, match=r"state\[2\] \(k\) must have shape"):
-        mamba3_mimo_step(**_token(a, 2), state=(angle, state, k[:, :1], v))
+        mamba3_mimo_step(**step_arguments(a, 2), state=(angle, state, k[:, :1], v))
 
 
 @requires_gpu
@@ -121,7 +115,7 @@ def test_decode_on_the_gpu(B):
     out = torch.empty(B, 16, 64, device=DEVICE, dtype=torch.bfloat16)
     outs = []
     for t in range(S, S + T):
-        outs.append(mamba3_mimo_step(**_token(bf, t), state=state, out=out).clone())
+        outs.append(mamba3_mimo_step(**step_arguments(bf, t), state=state, out=out).clone())
     errors = {"out": rel_rms(torch.stack(outs, 1), want[0][:, S:])}
     errors.update({name: rel_rms(got, w) for name, got, w in
                    zip(("angle", "state", "k", "v"), state, want[1:])})

@@ -14,7 +14,6 @@ from mamba3_mimo.configs import StateConfig
 from mamba3_mimo.reference import mamba3_mimo_reference, mamba3_mimo_stepwise
 
 F64 = torch.float64
-PER_STEP = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
 
 
 def _cu(lengths):

@@ -65,10 +65,9 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, starts, d_
         c = nc - 1 - i
         if VARLEN:
             nxt = tl.load(starts + c + 1, mask=c + 1 < nc, other=-1)
-            end1, end2 = state_block(d_final + (tl.maximum(nxt - 1, 0).to(tl.int64) * H + h)
-                                     * N * P, j0, p0, HALF, P, BJ, BP)
-            run1 = tl.where(nxt >= 1, end1, run1)
-            run2 = tl.where(nxt >= 1, end2, run2)
+            if nxt >= 1:  # read only at a sequence's end
+                run1, run2 = state_block(d_final + ((nxt - 1).to(tl.int64) * H + h) * N * P,
+                                         j0, p0, HALF, P, BJ, BP)
         s0 = tl.cast(c, tl.int64) * C
         cs, sn, q1, q2 = pair_block(q_h + s0 * sqs, t * sqs + r * sqr, rows, q_bias, bias_off,
                                     cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, j0,

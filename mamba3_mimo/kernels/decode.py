@@ -26,12 +26,13 @@ from .common import dot, load_pair_columns, load_rotated, tanh
 def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o,
                        angles_raw, d, norm_w, angle, state, k_prev, v_prev, out, H, HG, R, N, P,
                        RD, eps, sqb, sqr, sqg, sqn, skb, skr, skg, skn, svb, svh, svp, szb, szh,
-                       szp, sab, sah, sar, sdb, sdh, sob, sor, soh, sop,
+                       szp, sab, sah, sar, sxb, sxh, sdb, sdh, stb, sth, sob, sor, soh, sop,
                        RK: tl.constexpr, BJ: tl.constexpr, PP: tl.constexpr,
                        HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_OUT: tl.constexpr,
-                       NORM: tl.constexpr, PREC: tl.constexpr, TWO_PI: tl.constexpr):
+                       NORM: tl.constexpr, NORM_W: tl.constexpr, PREC: tl.constexpr,
+                       TWO_PI: tl.constexpr):
     """One (b, h) per program. q, k [B, R, G, N]; v, z [B, H, P]; adt, dt, trap [B, H] (strides
-    sdb, sdh); angles_raw [B, H, RD]; angle [B, H, RD], state [B, H, P, N], k_prev [B, R, H, N]
+    sxb, sxh; sdb, sdh; stb, sth); angles_raw [B, H, RD]; norm_w [H * P] (NORM_W, else ones); angle [B, H, RD], state [B, H, P, N], k_prev [B, R, H, N]
     (fp32) and v_prev [B, H, P], contiguous, read and written; out [B, H, P] (HAS_OUT) or
     [B, R, H, P] (strides sob, sor, soh, sop)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -44,8 +45,8 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
     pm = p < P
     rp_ok = rm[:, None] & pm[None, :]
     step_dt = tl.load(dt + b * sdb + h * sdh)
-    step_trap = tl.load(trap + b * sdb + h * sdh).to(tl.float32)
-    decay = tl.exp(tl.load(adt + b * sdb + h * sdh))
+    step_trap = tl.load(trap + b * stb + h * sth).to(tl.float32)
+    decay = tl.exp(tl.load(adt + b * sxb + h * sxh))
     gamma = step_dt * tl.sigmoid(step_trap)
     shifted = step_dt * tl.sigmoid(-step_trap)
     # PsiV of this step and of the previous one, [RK, PP] (zero rows past R)
@@ -94,7 +95,9 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
     y = raw
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) / P + eps)
-        y = raw * rstd[:, None] * tl.load(norm_w + h * P + p, mask=pm, other=0.0)[None, :]
+        y = raw * rstd[:, None]
+        if NORM_W:
+            y *= tl.load(norm_w + h * P + p, mask=pm, other=0.0)[None, :]
     if HAS_Z:
         zeta = tl.load(mimo_z + (h * R + r)[:, None] * P + p[None, :], mask=rp_ok, other=0.0)
         u = tl.load(z + b * szb + h * szh + p * szp, mask=pm, other=0.0).to(tl.float32)[
@@ -118,15 +121,14 @@ BLOCK_PAIRS = 16
 
 def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o, angles_raw, d,
            norm_w, angle, state, k_prev, v_prev, out, eps: float, has_z: bool, has_d: bool,
-           has_out: bool, norm: bool, precision: str) -> None:
+           has_out: bool, norm: bool, norm_w_given: bool, precision: str) -> None:
     """Launch decode_step_kernel over every (b, h); absent inputs are stand-ins that the flags
     keep unread. Shapes as the kernel's docstring; q_bias, k_bias, mimo_* [H, R, N or P] and
     norm_w [H * P] contiguous."""
     B, R, G, N = q.shape
     H, P = v.shape[1], v.shape[2]
     RD = angles_raw.shape[-1]
-    qs, ks, vs, zs, as_, ds = (q.stride(), k.stride(), v.stride(), z.stride(),
-                               angles_raw.stride(), dt.stride())
+    qs, ks, vs, zs, as_ = q.stride(), k.stride(), v.stride(), z.stride(), angles_raw.stride()
     # out [B, H, P], or [B, R, H, P] without MIMO_Out
     sob, sor, soh, sop = ((out.stride(0), 0) + out.stride()[1:] if has_out else out.stride())
     with on_device(q.device):
@@ -137,8 +139,9 @@ def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o,
             HG=H // G, R=R, N=N, P=P, RD=RD, eps=float(eps), sqb=qs[0], sqr=qs[1], sqg=qs[2],
             sqn=qs[3], skb=ks[0], skr=ks[1], skg=ks[2], skn=ks[3], svb=vs[0], svh=vs[1],
             svp=vs[2], szb=zs[0] if has_z else 0, szh=zs[1] if has_z else 0,
-            szp=zs[2] if has_z else 0, sab=as_[0], sah=as_[1], sar=as_[2], sdb=ds[0],
-            sdh=ds[1], sob=sob, sor=sor, soh=soh, sop=sop, RK=max(16, next_pow2(R)),
+            szp=zs[2] if has_z else 0, sab=as_[0], sah=as_[1], sar=as_[2],
+            sxb=adt.stride(0), sxh=adt.stride(1), sdb=dt.stride(0), sdh=dt.stride(1),
+            stb=trap.stride(0), sth=trap.stride(1), sob=sob, sor=sor, soh=soh, sop=sop, RK=max(16, next_pow2(R)),
             BJ=max(16, min(BLOCK_PAIRS, next_pow2(N // 2))), PP=next_pow2(P), HAS_Z=has_z,
-            HAS_D=has_d, HAS_OUT=has_out, NORM=norm, PREC=precision, TWO_PI=TWO_PI,
+            HAS_D=has_d, HAS_OUT=has_out, NORM=norm, NORM_W=norm_w_given, PREC=precision, TWO_PI=TWO_PI,
             num_warps=4)

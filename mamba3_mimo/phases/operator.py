@@ -37,7 +37,7 @@ def _check_dtype(dtype, Q) -> None:
 
 def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
              chunk_size, rotary_dim_divisor, dtype, cu_seqlens, fuse_norm, norm_weight,
-             initial_state=None) -> Problem:
+             initial_state=None) -> Tuple[Problem, Optional[List[int]]]:
     """(the Problem of a call, the packed sequences' boundaries or None), or TypeError /
     ValueError naming the first bad argument; NotImplementedError for an unsupported device."""
     _check_dtype(dtype, Q)
@@ -100,6 +100,7 @@ def kernel_chunk(pb: Problem) -> int:
     return configs.kernel_chunk_size(C, pb.R)
 
 
+# the step dimension of each per-step input
 SEQ_DIM = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
 
 

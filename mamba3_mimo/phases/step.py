@@ -12,8 +12,22 @@ from ..kernels import decode
 from ..runtime.device import check_device, on_device
 from ..runtime.plans import placeholder
 from .bwd_fwd import check_tensor
+from .operator import SEQ_DIM
 
 Tensor = torch.Tensor
+# the operator's arguments that a step does not take
+CALL_ONLY = ("chunk_size", "rotary_dim_divisor", "dtype", "return_state", "cu_seqlens",
+             "initial_state")
+
+
+def step_arguments(args: dict, t: int) -> dict:
+    """The arguments of mamba3_mimo_step for step t of a call's keyword arguments `args` (the
+    per-step inputs at step t, the weights as they are, the call-only options dropped)."""
+    out = {k: v for k, v in args.items() if k not in CALL_ONLY}
+    for name, dim in SEQ_DIM.items():
+        if out.get(name) is not None:
+            out[name] = out[name].select(dim, t)
+    return out
 
 
 def mamba3_mimo_step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
@@ -89,22 +103,19 @@ def mamba3_mimo_step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, T
     stand = placeholder(dev)
     if out is None:
         out = torch.empty(out_shape, device=dev, dtype=Q.dtype)
-    norm_w = stand
-    if fuse_norm:
-        norm_w = (torch.ones(H * P, device=dev, dtype=torch.float32)
-                  if outproj_norm_weight is None else outproj_norm_weight.reshape(H * P))
-    # the three per-step scalars share one set of strides
-    adt, dt, trap = ADT.contiguous(), DT.contiguous(), Trap.contiguous()
     with on_device(dev):
-        decode.launch(q=Q, k=K, v=V, z=stand if Z is None else Z, adt=adt, dt=dt, trap=trap,
+        decode.launch(q=Q, k=K, v=V, z=stand if Z is None else Z, adt=ADT, dt=DT, trap=Trap,
                       q_bias=Q_bias.contiguous(), k_bias=K_bias.contiguous(),
                       mimo_v=MIMO_V.contiguous(),
                       mimo_z=stand if MIMO_Z is None else MIMO_Z.contiguous(),
                       mimo_o=stand if MIMO_Out is None else MIMO_Out.contiguous(),
-                      angles_raw=Angles, d=stand if D is None else D, norm_w=norm_w.contiguous(),
+                      angles_raw=Angles, d=stand if D is None else D,
+                      norm_w=(stand if outproj_norm_weight is None
+                              else outproj_norm_weight.reshape(H * P).contiguous()),
                       angle=angle, state=h_state, k_prev=k_prev, v_prev=v_prev, out=out,
                       eps=outproj_norm_eps, has_z=Z is not None, has_d=D is not None,
                       has_out=MIMO_Out is not None, norm=fuse_norm,
+                      norm_w_given=outproj_norm_weight is not None,
                       precision=_precision(dev))
     return out
 
