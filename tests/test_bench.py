@@ -209,11 +209,11 @@ def test_sequences_report(tmp_path):
     rows = [dict(kind="packed", shape="N128_P64_R4_C16", total_steps=8192, lengths=[8192],
                  dense_fwd_bwd_ms=2.0, packed_fwd_bwd_ms=2.2, packed_over_dense=1.1),
             dict(kind="decode", shape="N128_P64_R4_C16", B=16, ms_per_token=0.01,
-                 floor_ms=0.002, over_floor=5.0)]
+                 graph_ms_per_token=0.006, floor_ms=0.002, over_floor=5.0, graph_over_floor=3.0)]
     meta = dict(date="2026-12-03", gpu="test", git_commit="abc", torch="x", triton="y")
     text = bs.report(rows, meta, 1, tmp_path)
     assert "| N128_P64_R4_C16 | 2.000 | 2.200 | 1.10 |" in text
-    assert "| N128_P64_R4_C16 | 16 | 0.0100 | 0.0020 | 5.0 |" in text
+    assert "| N128_P64_R4_C16 | 16 | 0.0100 | 0.0060 | 0.0020 | 5.0 | 3.0 |" in text
     assert json.loads((tmp_path / "results.json").read_text())["results"][1]["B"] == 16
 
 

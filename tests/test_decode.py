@@ -19,7 +19,8 @@ CASES = {
                 None),
     "noz_nod_per_rank": (dict(B=3, H=2, G=1, R=2, N=8, P=6, chunk_size=5, z=False, d=False,
                               mimo_out=False), {}, None),
-    "norm_blocks": (dict(B=1, H=2, G=1, R=2, N=48, P=40, chunk_size=4),
+    # N = 80: two blocks of 32 pairs (block_pairs), the second partial
+    "norm_blocks": (dict(B=1, H=2, G=1, R=2, N=80, P=40, chunk_size=4),
                     dict(fuse_pregate_headwise_rms_norm=True), (2, 40)),
     "norm_unweighted": (dict(B=2, H=2, G=2, R=1, N=8, P=12, chunk_size=4),
                         dict(fuse_pregate_headwise_rms_norm=True), None),

@@ -57,7 +57,7 @@ def _run(fn, a, i, seed=5, **kw):
 
 
 def _assert_within(got, want, what):
-    errors = {n: rel_rms(got[n].cpu(), want[n]) for n in want}
+    errors = {n: rel_rms(got[n].cpu(), want[n].cpu()) for n in want}
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= LIMIT}
     assert not bad, f"{what}: relative RMS errors above {LIMIT}: {bad}"
 

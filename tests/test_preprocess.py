@@ -26,7 +26,7 @@ def _inputs(device=DEVICE, B=2, S=37, H=3, RD=5, expand=False, seed=0):
     # DT as the transpose of a [B, S, H] tensor: non-contiguous along S
     dt = (torch.rand(B, S, H, generator=g) + 0.05).transpose(1, 2)
     adt = -torch.rand(B, S, H, generator=g).transpose(1, 2) * 0.5
-    return raw.to(), dt.to(), adt.to()
+    return raw.to(device), dt.to(device), adt.to(device)
 
 
 @pytest.mark.parametrize("expand", [False, True], ids=["dense", "expanded"])
@@ -51,12 +51,39 @@ def test_angle_sum_backward(expand):
     (the fp32 threshold)."""
     raw, dt, _ = _inputs(expand=expand, seed=1)
     g = torch.randn(raw.shape, generator=torch.Generator().manual_seed(2))
-    d_raw, d_dt = preprocess.angle_sum_backward(g.to(), raw, dt, block_steps=8)
+    d_raw, d_dt, d_angle0 = preprocess.angle_sum_backward(g.to(DEVICE), raw, dt, block_steps=8)
     raw64 = raw.cpu().double().clone().requires_grad_(True)
     dt64 = dt.cpu().double().clone().requires_grad_(True)
-    reference._running_angles(raw64, dt64, None, torch.float64).backward(g.double())
+    angle0 = torch.zeros(raw.shape[0], raw.shape[2], raw.shape[3], dtype=torch.float64,
+                         requires_grad=True)
+    reference._running_angles(raw64, dt64, angle0, torch.float64).backward(g.double())
     assert rel_rms(d_raw.cpu(), raw64.grad) <= THRESHOLDS[torch.float32]
     assert rel_rms(d_dt.cpu(), dt64.grad) <= THRESHOLDS[torch.float32]
+    assert rel_rms(d_angle0.cpu(), angle0.grad) <= THRESHOLDS[torch.float32]
+
+
+@pytest.mark.parametrize("with_angle0", [False, True], ids=["zero", "angle0"])
+def test_angle_sum_packed(with_angle0):
+    """With `bounds` (packed sequences: steps 0-4, 5, 6-20, 21-36 of one row), every sequence's
+    angles and gradients are those of the sequence summed alone, bit for bit."""
+    raw, dt, _ = _inputs(B=1, S=37, seed=3)
+    cuts = [0, 5, 6, 21, 37]
+    bounds = torch.tensor(cuts, dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    angle0 = (torch.rand(len(cuts) - 1, raw.shape[2], raw.shape[3], generator=gen) * 6
+              ).to(DEVICE) if with_angle0 else None
+    g = torch.randn(raw.shape, generator=gen).to(DEVICE)
+    out = preprocess.angle_sum(raw, dt, angle0, bounds=bounds, block_steps=8)
+    d_raw, d_dt, d_angle0 = preprocess.angle_sum_backward(g, raw, dt, bounds=bounds,
+                                                          block_steps=8)
+    for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        alone = preprocess.angle_sum(raw[:, a:b], dt[..., a:b],
+                                     None if angle0 is None else angle0[j:j + 1], block_steps=8)
+        assert torch.equal(out[:, a:b], alone), f"angles of sequence {j}"
+        want = preprocess.angle_sum_backward(g[:, a:b], raw[:, a:b], dt[..., a:b], block_steps=8)
+        for name, got, w in zip(("d Angles", "d DT", "d angle0"),
+                                (d_raw[:, a:b], d_dt[..., a:b], d_angle0[j:j + 1]), want):
+            assert torch.equal(got, w), f"{name} of sequence {j}"
 
 
 @pytest.mark.parametrize("C", [1, 5, 8, 16])

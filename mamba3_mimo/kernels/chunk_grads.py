@@ -32,17 +32,25 @@ from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block,
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb"])
-def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, starts, d_final, S_pad,
+def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_final, S_pad,
                       n_bh, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn,
                       TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                       PREC: tl.constexpr, VARLEN: tl.constexpr):
     """One (b, h), one block of BJ pair rows and one of BP columns of the state per program
     (grid (B*H, pair blocks * P blocks)); dstates [B, H, nc + 1, N, P] fp32 holds d final state
     in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32. VARLEN (packed
-    sequences, B = 1): where chunk c + 1 starts sequence j (starts[c + 1] = j >= 1), chunk c
-    ends sequence j - 1, and the recurrence restarts there from that sequence's final-state
-    gradient d_final[j - 1] ([n_seq, H, N, P] fp32)."""
-    bh = tl.program_id(0).to(tl.int64)
+    sequences, B = 1): one (sequence j, h) per program over chunks bounds[j] .. bounds[j + 1] - 1
+    (bounds int32 [n_seq + 1]), from the last, starting from the sequence's final-state gradient
+    d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side."""
+    if VARLEN:
+        seq = tl.program_id(0) // H
+        bh = (tl.program_id(0) % H).to(tl.int64)
+        lo = tl.load(bounds + seq)
+        n_ch = tl.load(bounds + seq + 1) - lo
+    else:
+        bh = tl.program_id(0).to(tl.int64)
+        lo = 0
+        n_ch = nc
     b, h = bh // H, bh % H
     HALF = N // 2
     n_pb = tl.cdiv(P, BP)
@@ -56,18 +64,17 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, starts, d_
     jm = (j < HALF)[:, None] & pm[None, :]
     st_off = j[:, None] * P + p[None, :]
     ds = dstates + bh * (nc + 1) * N * P
-    run1, run2 = state_block(ds + nc * N * P, j0, p0, HALF, P, BJ, BP)
+    if VARLEN:
+        run1, run2 = state_block(d_final + (seq.to(tl.int64) * H + h) * N * P, j0, p0, HALF, P,
+                                 BJ, BP)
+    else:
+        run1, run2 = state_block(ds + nc * N * P, j0, p0, HALF, P, BJ, BP)
     q_h = q + b * sqb + (h // HG) * sqg
     bias_off = (h * R + r) * N
     row = bh * S_pad
     y_row = (t * R + r) * H * P  # a row's dy inside the chunk's steps
-    for i in range(nc):
-        c = nc - 1 - i
-        if VARLEN:
-            nxt = tl.load(starts + c + 1, mask=c + 1 < nc, other=-1)
-            if nxt >= 1:  # read only at a sequence's end
-                run1, run2 = state_block(d_final + ((nxt - 1).to(tl.int64) * H + h) * N * P,
-                                         j0, p0, HALF, P, BJ, BP)
+    for i in range(n_ch):
+        c = lo + n_ch - 1 - i
         s0 = tl.cast(c, tl.int64) * C
         cs, sn, q1, q2 = pair_block(q_h + s0 * sqs, t * sqs + r * sqr, rows, q_bias, bias_off,
                                     cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, j0,
@@ -266,7 +273,7 @@ STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
                 segsum, dy, states, d_final_state=None, consts, precision: str,
-                starts=None, d_ends=None) -> dict:
+                bounds=None, d_ends=None) -> dict:
     """The gradients of raw_y given dy = d raw_y [B, S_pad, R, H, P] fp32, for padded inputs
     (whole chunks of C steps, U = 1) and step_terms' tables: a dict of fp32 tensors dq, dk
     [B, S_pad, R, G, N], the per-chunk shares of the bias gradients part_qb, part_kb
@@ -274,9 +281,10 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad], the per-chunk shares of dPsi
     (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc]; d given), and dstates
     [B, H, nc + 1, N, P]. states: the fp32 states entering each chunk [B, H, nc, N, P];
-    d_final_state [B, H, N, P] or None. Packed sequences (B = 1): starts, int32 [nc], j where
-    chunk c starts sequence j, else -1 (chunk_state.launches'), and d_ends [n_seq, H, N, P] fp32
-    the sequences' final-state gradients (d_final_state is then the last one's). consts: the
+    d_final_state [B, H, N, P] or None. Packed sequences (B = 1): bounds, int32 [n_seq + 1],
+    sequence j covering chunks bounds[j] .. bounds[j + 1] - 1 (chunk_state.launches'), and
+    d_ends [n_seq, H, N, P] fp32 the sequences' final-state gradients (d_final_state is then
+    the last one's). consts: the
     kernels' constants of the padded call with
     U = 1 (step_terms' Q_DECAY is then exp(da_cs)); `precision` the dots' input precision."""
     m = consts
@@ -306,12 +314,12 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     tables = dict(terms=terms, cos=cos, sin=sin)
     with on_device(dev):
         SBJ = max(16, min(STATE_BLOCK_PAIRS, next_pow2(N // 2)))
-        stand = dstates if starts is None else None
-        state_grad_kernel[(B * H, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, BP))](
+        chains = B * H if bounds is None else (bounds.numel() - 1) * H
+        state_grad_kernel[(chains, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, BP))](
             q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, **tables,
-            starts=stand if starts is None else starts,
-            d_final=stand if starts is None else d_ends,
-            VARLEN=starts is not None,
+            bounds=dstates if bounds is None else bounds,
+            d_final=dstates if bounds is None else d_ends,
+            VARLEN=bounds is not None,
             n_bh=B * H, **dict(common, BJ=SBJ), **STATE_OPTIONS)
         chunk_grads_kernel[(B * G * nc,)](
             q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,

@@ -108,24 +108,31 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
 
 
 @triton.jit
-def _restart(running, init, starts, c, live, bh, n_bh, NP_SIZE, off, m):
-    """running, or init[j * n_bh + bh] (at off, mask m) where chunk c starts sequence j
-    (starts[c] = j >= 0; B = 1, so bh is the head)."""
-    j = tl.load(starts + c, mask=live, other=-1)
-    fresh = tl.load(init + (tl.maximum(j, 0).to(tl.int64) * n_bh + bh) * NP_SIZE + off,
-                    mask=m & (j >= 0), other=0.0)
-    return tl.where(j >= 0, fresh, running)
+def _chain(pid, n_bh, nc, bounds, VARLEN: tl.constexpr):
+    """(b*h, its first chunk, its number of chunks, its row of init) of a state-pass program:
+    one (b*h) over all nc chunks, or with VARLEN (packed sequences, B = 1) one (sequence j, h)
+    over chunks bounds[j] .. bounds[j + 1] - 1, so that each sequence starts afresh from its
+    own init row and the sequences run side by side."""
+    if VARLEN:
+        seq = pid // n_bh
+        bh = (pid % n_bh).to(tl.int64)
+        lo = tl.load(bounds + seq)
+        return bh, lo.to(tl.int64), tl.load(bounds + seq + 1) - lo, seq.to(tl.int64) * n_bh + bh
+    else:
+        bh = pid.to(tl.int64)
+        return bh, bh * 0, nc, bh
 
 
 @triton.jit(do_not_specialize=["S_pad", "nc", "n_bh"])
-def state_passing_kernel(inc, da_cs, states, init, starts, S_pad, nc, C, U, n_bh,
+def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh,
                          NP_SIZE: tl.constexpr, BLOCK: tl.constexpr, DEPTH: tl.constexpr,
                          KEEP_FP32: tl.constexpr, HAS_INIT: tl.constexpr,
                          VARLEN: tl.constexpr):
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], on [BLOCK] slices; states[0] = 0,
     or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN
-    (packed sequences, B = 1, HAS_INIT): a chunk c with starts[c] = j >= 0 starts sequence j
-    afresh from init[j * H + h] ([n_seq * H, N, P]).
+    (packed sequences, B = 1, HAS_INIT): sequence j's chunks bounds[j] .. bounds[j + 1] - 1
+    (bounds int32 [n_seq + 1]) start from init[j * H + h] ([n_seq * H, N, P]), one program per
+    (sequence, h, slice).
 
     The chunks go in groups of DEPTH, each group's increments and decays loaded before its
     first update: the serial chain then waits for memory once per group instead of once per
@@ -136,38 +143,38 @@ def state_passing_kernel(inc, da_cs, states, init, starts, S_pad, nc, C, U, n_bh
     KEEP_FP32 (narrower outputs that chunk_output may not read, configs.out_states_suffice) the
     fp32 state also replaces inc[c] for the chunks that start a chunk_output tile (c % U == 0),
     the only ones it reads, at full precision."""
-    bh = tl.program_id(0).to(tl.int64)
+    bh, lo, n_ch, init_row = _chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
-    base = bh * nc * NP_SIZE + e
+    base = (bh * nc + lo) * NP_SIZE + e
+    da_row = da_cs + bh * S_pad + lo * C
     if HAS_INIT:
-        running = tl.load(init + bh * NP_SIZE + e, mask=m, other=0.0)
+        running = tl.load(init + init_row * NP_SIZE + e, mask=m, other=0.0)
     else:
         running = tl.zeros([BLOCK], dtype=tl.float32)
     tl.store(states + base, running.to(states.dtype.element_ty), mask=m)
     if KEEP_FP32:
-        tl.store(inc + base, running, mask=m)
-    for c0 in range(1, nc, DEPTH):
+        tl.store(inc + base, running, mask=m & (lo % U == 0))
+    for c0 in range(1, n_ch, DEPTH):
         xs = ()
         log_decays = ()
         for i in tl.static_range(DEPTH):
-            live = c0 + i < nc  # past the last chunk: x = 0 and decay 1, nothing stored
+            live = c0 + i < n_ch  # past the last chunk: x = 0 and decay 1, nothing stored
             at = tl.cast(c0 + i, tl.int64) * NP_SIZE  # chunks x N*P can pass 2**31
             xs += (tl.load(inc + base + at, mask=m & live, other=0.0),)
-            log_decays += (tl.load(da_cs + bh * S_pad + (c0 + i) * C - 1, mask=live, other=0.0),)
+            log_decays += (tl.load(da_row + (c0 + i) * C - 1, mask=live, other=0.0),)
         for i in tl.static_range(DEPTH):
             c = c0 + i
             at = tl.cast(c, tl.int64) * NP_SIZE
             running = running * tl.exp(log_decays[i]) + xs[i]
-            if VARLEN:
-                running = _restart(running, init, starts, c, c < nc, bh, n_bh, NP_SIZE, e, m)
-            tl.store(states + base + at, running.to(states.dtype.element_ty), mask=m & (c < nc))
-            if KEEP_FP32:
-                tl.store(inc + base + at, running, mask=m & (c < nc) & (c % U == 0))
+            live = m & (c < n_ch)
+            tl.store(states + base + at, running.to(states.dtype.element_ty), mask=live)
+            if KEEP_FP32:  # the chunks that start a tile, counted from the layout's first
+                tl.store(inc + base + at, running, mask=live & ((lo + c) % U == 0))
 
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
-def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep, init, starts,
+def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep, init, bounds,
                       S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh, svp,
                       R, N: tl.constexpr, P: tl.constexpr, C, U,
                       TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
@@ -177,16 +184,16 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     """states[b, h, c + 1] = states[b, h, c] exp(da_cs[end of c]) + k_w^T psi_v of chunk c, the
     increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0,
     or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN as
-    state_passing_kernel's.
+    state_passing_kernel's (one program per (sequence, h, block)).
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
     also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
-    bh = tl.program_id(0).to(tl.int64)
+    bh, lo, n_ch, init_row = _chain(tl.program_id(0), H, nc, bounds, VARLEN)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)
-    row = bh * S_pad
+    row = bh * S_pad + lo * C  # the chain's first step
     # pointers at a chunk's first step, moved by one chunk's strides (64-bit scalars) per chunk
-    kc = k + b * skb * BA + (h // HG) * skg
-    vc = v + b * svb * BA + h * svh
+    kc = k + b * skb * BA + (h // HG) * skg + lo * C * sks
+    vc = v + b * svb * BA + h * svh + lo * C * svs
     cos_c, sin_c = cos + row * RD, sin + row * RD
     w_c = terms + K_DECAY * tl.cast(plane, tl.int64) + row
     k_step, v_step = tl.cast(C, tl.int64) * sks, tl.cast(C, tl.int64) * svs
@@ -195,54 +202,51 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     j = j0 + tl.arange(0, BJ)
     # the (b, h) slice's base as a 64-bit scalar, the offsets inside one chunk's state 32-bit:
     # a 64-bit offset tensor took 8 more registers
-    states += bh * nc * N * P
-    keep += bh * nc * N * P
+    states += (bh * nc + lo) * N * P
+    keep += (bh * nc + lo) * N * P
     off = j[None, :] * P + p[:, None]  # [BP, BJ], as chunk_increment's
     m = (j < HALF)[None, :] & pm[:, None]
     if HAS_INIT:
-        run1 = tl.load(init + bh * N * P + off, mask=m, other=0.0)
-        run2 = tl.load(init + bh * N * P + off + HALF * P, mask=m, other=0.0)
+        run1 = tl.load(init + init_row * N * P + off, mask=m, other=0.0)
+        run2 = tl.load(init + init_row * N * P + off + HALF * P, mask=m, other=0.0)
     else:
         run1 = tl.zeros([BP, BJ], dtype=tl.float32)
         run2 = tl.zeros([BP, BJ], dtype=tl.float32)
     tl.store(states + off, run1.to(states.dtype.element_ty), mask=m)
     tl.store(states + off + HALF * P, run2.to(states.dtype.element_ty), mask=m)
     if KEEP_FP32:
-        tl.store(keep + off, run1, mask=m)
-        tl.store(keep + off + HALF * P, run2, mask=m)
+        tl.store(keep + off, run1, mask=m & (lo % U == 0))
+        tl.store(keep + off + HALF * P, run2, mask=m & (lo % U == 0))
     # chunk 0's inputs; in the loop, chunk c + 2's are loaded before chunk c's math, so that the
     # serial loop waits for memory only when the math is shorter than a load
-    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, nc > 1,
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, n_ch > 1,
                                           p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     # chunk 0's increment, and chunk 1's inputs: in the loop, chunk c + 1's increment is computed
     # after chunk c's state is stored, so that the running state's update never waits for a dot
     inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
     kc, vc, cos_c, sin_c, w_c = kc + k_step, vc + v_step, cos_c + C * RD, sin_c + C * RD, w_c + C
-    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, nc > 2,
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, n_ch > 2,
                                           p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     # da_cs at the end of each chunk, one chunk ahead as well: loaded where it is used, this
     # scalar held up every step of the chain (18 % of the scan's stall samples)
     log_decay = tl.load(da_cs + row + C - 1)
-    for c in range(0, nc - 1):
+    for c in range(0, n_ch - 1):
         # chunk c + 2's
         kc, vc = kc + k_step, vc + v_step
         cos_c, sin_c, w_c = cos_c + C * RD, sin_c + C * RD, w_c + C
         nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt,
-                                                    c + 3 < nc, p, pm, sks, skr, skn, svs, svp,
+                                                    c + 3 < n_ch, p, pm, sks, skr, skn, svs, svp,
                                                     j0, HALF, RD, BJ)
-        # chunk c + 1's, within S_pad = nc * C since c + 2 <= nc
+        # chunk c + 1's, within the chain since c + 2 <= n_ch
         next_log_decay = tl.load(da_cs + row + (c + 2) * C - 1)
         decay = tl.exp(log_decay)
         run1 = run1 * decay + inc1
         run2 = run2 * decay + inc2
-        if VARLEN:
-            run1 = _restart(run1, init, starts, c + 1, True, bh, H, N * P, off, m)
-            run2 = _restart(run2, init + HALF * P, starts, c + 1, True, bh, H, N * P, off, m)
         so = tl.cast(c + 1, tl.int64) * (N * P)  # chunks x N*P can pass 2**31
         tl.store(states + so + off, run1.to(states.dtype.element_ty), mask=m)
         tl.store(states + so + off + HALF * P, run2.to(states.dtype.element_ty), mask=m)
         if KEEP_FP32:
-            tile_start = (c + 1) % U == 0
+            tile_start = (lo + c + 1) % U == 0
             tl.store(keep + so + off, run1, mask=m & tile_start)
             tl.store(keep + so + off + HALF * P, run2, mask=m & tile_start)
         # chunk c + 1's increment (zero past the last chunk that has one: its inputs are masked)
@@ -255,16 +259,17 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
              da_cs: torch.Tensor, terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              states: torch.Tensor, inc: torch.Tensor, consts, cfg,
              init: Optional[torch.Tensor] = None,
-             starts: Optional[torch.Tensor] = None) -> list:
+             bounds: Optional[torch.Tensor] = None) -> list:
     """The launches that write states [B, H, nc, N, P] from k [B, S_pad, R, G, N], v
     [B, S_pad, H, P], k_bias [H, R, N], mimo_v [H, R, P], da_cs [B, H, S_pad] and step_terms'
     terms, cos, sin. `inc` is fp32 of the states' shape, or `states` itself for fp32 outputs,
     or a one-element stand-in where consts.OUT_STATES lets chunk_output read `states` and the
     scan runs (never written then); otherwise it ends holding the fp32 states of the chunks
     that start an output tile. init: the state entering the first chunk [B, H, N, P] fp32
-    contiguous, or None for zero. starts (packed sequences, B = 1, init given as
-    [n_seq, H, N, P]): int32 [nc], j where chunk c starts sequence j afresh from init[j], else
-    -1.
+    contiguous, or None for zero. bounds (packed sequences, B = 1, init given as
+    [n_seq, H, N, P]): int32 [n_seq + 1], sequence j covering chunks bounds[j] ..
+    bounds[j + 1] - 1 and starting from init[j]; the state pass then runs one program per
+    (sequence, head, block).
 
     cfg (configs.StateConfig): scan picks the fused state_scan_kernel over chunk_increment with
     state_passing, which use `inc` as their fp32 scratch. The first launch is the one whose
@@ -283,19 +288,20 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
         N=N, P=P, C=m.C, TP=m.TP, RP=m.RP, HALF=half, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, PREC=m.PREC,
         BA=BA)
     p_blocks = n_jb * cdiv(P, cfg.BP)
-    if starts is not None and init is None:
-        raise ValueError("starts (packed sequences) needs init")
+    if bounds is not None and init is None:
+        raise ValueError("bounds (packed sequences) needs init")
     stand = placeholder(k.device)
     first = dict(init=stand if init is None else init, HAS_INIT=init is not None,
-                 starts=stand if starts is None else starts, VARLEN=starts is not None)
+                 bounds=stand if bounds is None else bounds, VARLEN=bounds is not None)
+    chains = B * H if bounds is None else (bounds.numel() - 1) * H
     if cfg.scan:
-        return [Launch(state_scan_kernel, (B * H, p_blocks), dict(
+        return [Launch(state_scan_kernel, (chains, p_blocks), dict(
             common, da_cs=da_cs, states=states, keep=inc, U=m.U, KEEP_FP32=keep_fp32,
             SYNC=m.SCAN_SYNC, OPAQUE=m.OPAQUE, **first),
             dict(num_warps=cfg.num_warps, num_stages=1))]
     return [Launch(chunk_increment_kernel, (B * H * max(m.nc - 1, 0), p_blocks),
                    dict(common, inc=inc, n_bh=B * H), dict(num_warps=cfg.num_warps)),
-            Launch(state_passing_kernel, (B * H, cdiv(N * P, cfg.BLOCK)), dict(
+            Launch(state_passing_kernel, (chains, cdiv(N * P, cfg.BLOCK)), dict(
                 inc=inc, da_cs=da_cs, states=states, S_pad=m.S_pad, nc=m.nc, C=m.C, U=m.U,
                 n_bh=B * H, NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH,
                 KEEP_FP32=keep_fp32, **first),

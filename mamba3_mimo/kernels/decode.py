@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..runtime.device import on_device
+from ..runtime.launcher import Launch
 from . import next_pow2
 from .common import dot, load_pair_columns, load_rotated, tanh
 
@@ -115,8 +116,18 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
 
 
 TWO_PI = 6.283185307179586
-# pairs of N per block: the state's [BJ, P] halves and the [16, BJ] q, k tiles stay small
-BLOCK_PAIRS = 16
+# Pairs of N per block, by the number of (b, h) programs (H200, 2026-12-03, N64 and N128,
+# P64, R4, graph-replayed): 32 where the programs are few (B*H = 16 or 256: 8-12 % faster than
+# 16, their chain of blocks the bound), 16 where they are many (B*H = 4096: 32 and 64 were
+# 3-11 % slower); 8 warps and two stages gained nothing beyond B*H = 16.
+BLOCK_PAIRS, FEW_PROGRAMS_BLOCK_PAIRS, FEW_PROGRAMS = 16, 32, 1024
+OPTIONS = dict(num_warps=4)
+
+
+def block_pairs(n_programs: int, N: int) -> int:
+    """The pairs of N per block of a step of n_programs (b, h) programs."""
+    bj = FEW_PROGRAMS_BLOCK_PAIRS if n_programs <= FEW_PROGRAMS else BLOCK_PAIRS
+    return max(16, min(bj, next_pow2(N // 2)))
 
 
 def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o, angles_raw, d,
@@ -131,8 +142,10 @@ def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o,
     qs, ks, vs, zs, as_ = q.stride(), k.stride(), v.stride(), z.stride(), angles_raw.stride()
     # out [B, H, P], or [B, R, H, P] without MIMO_Out
     sob, sor, soh, sop = ((out.stride(0), 0) + out.stride()[1:] if has_out else out.stride())
+    # through the fast launcher: Triton's own launch of these 60 arguments took most of a
+    # step's host time (about 100 us on the H200's host, the kernel 8-18 us at B <= 16)
     with on_device(q.device):
-        decode_step_kernel[(B * H,)](
+        Launch(decode_step_kernel, (B * H,), dict(
             q=q, k=k, v=v, z=z, adt=adt, dt=dt, trap=trap, q_bias=q_bias, k_bias=k_bias,
             mimo_v=mimo_v, mimo_z=mimo_z, mimo_o=mimo_o, angles_raw=angles_raw, d=d,
             norm_w=norm_w, angle=angle, state=state, k_prev=k_prev, v_prev=v_prev, out=out, H=H,
@@ -142,6 +155,6 @@ def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o,
             szp=zs[2] if has_z else 0, sab=as_[0], sah=as_[1], sar=as_[2],
             sxb=adt.stride(0), sxh=adt.stride(1), sdb=dt.stride(0), sdh=dt.stride(1),
             stb=trap.stride(0), sth=trap.stride(1), sob=sob, sor=sor, soh=soh, sop=sop, RK=max(16, next_pow2(R)),
-            BJ=max(16, min(BLOCK_PAIRS, next_pow2(N // 2))), PP=next_pow2(P), HAS_Z=has_z,
-            HAS_D=has_d, HAS_OUT=has_out, NORM=norm, NORM_W=norm_w_given, PREC=precision, TWO_PI=TWO_PI,
-            num_warps=4)
+            BJ=block_pairs(B * H, N), PP=next_pow2(P), HAS_Z=has_z,
+            HAS_D=has_d, HAS_OUT=has_out, NORM=norm, NORM_W=norm_w_given, PREC=precision,
+            TWO_PI=TWO_PI), dict(OPTIONS)).run()

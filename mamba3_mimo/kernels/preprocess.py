@@ -31,42 +31,55 @@ BLOCK_STEPS = 128
 
 
 @triton.jit(do_not_specialize=["S", "sab", "sdb", "sdh", "sob"])
-def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_dt, S, H, RD, sab,
-                     sas, sah, sar, sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr,
-                     BR: tl.constexpr, TWO_PI: tl.constexpr, REVERSE: tl.constexpr,
-                     HAS_INIT: tl.constexpr):
-    """One (b, h) per program, the steps in blocks of BS, the RD angles in one BR block.
+def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_dt, d_angle0,
+                     bounds, S, H, RD, sab, sas, sah, sar, sdb, sdh, sds, sob, sos, soh,
+                     BS: tl.constexpr, BR: tl.constexpr, TWO_PI: tl.constexpr,
+                     REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, VARLEN: tl.constexpr):
+    """One (b, h) per program, the steps in blocks of BS, the RD angles in one BR block; VARLEN
+    (packed sequences, B = 1): one (sequence j, h) per program over the steps bounds[j] ..
+    bounds[j + 1] - 1 (bounds int32 [n_seq + 1]), so that every sequence starts afresh.
 
     Forward: angles[b, t, h, :] = (angle0[b, h, :] + sum_{u<=t} tanh(angles_raw[b, u, h, :]) pi
-    dt[b, h, u]) mod 2*pi, angle0 [B, H, RD] contiguous with HAS_INIT, else 0. REVERSE (the backward): with g[u] = sum_{t>=u} d_angles[b, t, h, :] (the mod has
-    gradient 1), d_angles_raw[b, u, h, :] = g[u] pi dt[u] (1 - tanh^2) and d_dt[b, h, u] =
-    sum_r g[u] pi tanh; the steps are walked from the last block to the first. angles_raw and
-    d_angles_raw share strides (sab, sas, sah, sar); angles and d_angles too (sob, ...); dt and
-    d_dt too (sdb, sdh, sds)."""
-    bh = tl.program_id(0)
-    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    dt[b, h, u]) mod 2*pi, angle0 [B or n_seq, H, RD] contiguous with HAS_INIT, else 0.
+    REVERSE (the backward): with g[u] = sum_{t>=u} d_angles[b, t, h, :] (the mod has
+    gradient 1), d_angles_raw[b, u, h, :] = g[u] pi dt[u] (1 - tanh^2), d_dt[b, h, u] =
+    sum_r g[u] pi tanh, and d_angle0 [B or n_seq, H, RD] = g at the first step; the steps are
+    walked from the last block to the first. angles_raw and d_angles_raw share strides (sab,
+    sas, sah, sar); angles and d_angles too (sob, ...); dt and d_dt too (sdb, sdh, sds)."""
+    pid = tl.program_id(0)
+    seq, h = pid // H, (pid % H).to(tl.int64)  # seq: the batch entry, or the sequence
+    if VARLEN:
+        lo = tl.load(bounds + seq)
+        n_steps = tl.load(bounds + seq + 1) - lo
+        b = 0
+        first = lo.to(tl.int64)
+    else:
+        n_steps = S
+        b = seq.to(tl.int64)
+        first = 0
     i = tl.arange(0, BS)
     r = tl.arange(0, BR)
     rm = r < RD
-    # the (b, h) slices' bases as 64-bit scalars; a block's first step moves them, and the
-    # offsets inside a block stay 32-bit
-    raw_at = b * sab + h * sah
-    dt_at = b * sdb + h * sdh
-    out_at = b * sob + h * soh
+    # the slices' bases as 64-bit scalars; a block's first step moves them, and the offsets
+    # inside a block stay 32-bit
+    raw_at = b * sab + h * sah + first * sas
+    dt_at = b * sdb + h * sdh + first * sds
+    out_at = b * sob + h * soh + first * sos
     raw_off = i[:, None] * sas + r[None, :] * sar
     out_off = i[:, None] * sos + r[None, :]
     pi = TWO_PI / 2
+    init_at = (seq.to(tl.int64) * H + h) * RD + r
     if HAS_INIT:
-        carry = tl.load(angle0 + (b * H + h) * RD + r, mask=rm, other=0.0)
+        carry = tl.load(angle0 + init_at, mask=rm, other=0.0)
     else:
         carry = tl.zeros([BR], dtype=tl.float32)
-    n_blocks = tl.cdiv(S, BS)
+    n_blocks = tl.cdiv(n_steps, BS)
     for blk in range(n_blocks):
         if REVERSE:
             s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
         else:
             s0 = tl.cast(blk, tl.int64) * BS
-        sm = i < S - s0
+        sm = i < n_steps - s0
         m = sm[:, None] & rm[None, :]
         x = tl.load(angles_raw + raw_at + s0 * sas + raw_off, mask=m, other=0.0)
         d = tl.load(dt + dt_at + s0 * sds + i * sds, mask=sm, other=0.0)
@@ -87,6 +100,8 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
             tl.store(angles + out_at + s0 * sos + out_off, total, mask=m)
             # masked steps add nothing, so the block's last row is its last valid step's
             carry = tl.sum(tl.where((i == BS - 1)[:, None], total, 0.0), axis=0)
+    if REVERSE:
+        tl.store(d_angle0 + init_at, carry, mask=rm)
 
 
 @triton.jit(do_not_specialize=["S", "n_bh", "nc", "sab", "sah"])
@@ -121,51 +136,70 @@ def _check_steps(name: str, x: torch.Tensor, shape: tuple) -> None:
 
 
 def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch.Tensor] = None,
+              bounds: Optional[torch.Tensor] = None,
               block_steps: int = BLOCK_STEPS) -> torch.Tensor:
     """The rotation angles [B, S, H, RD] fp32 (contiguous) from Angles [B, S, H, RD] and DT
     [B, H, S], both fp32 of any strides, and the angle before the first step, angle0
-    [B, H, RD] fp32 or None for zero: (angle0 + sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi."""
+    [B, H, RD] fp32 or None for zero: (angle0 + sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi.
+    bounds (packed sequences, B = 1): int32 [n_seq + 1], sequence j covering steps bounds[j] ..
+    bounds[j + 1] - 1 (bounds[n_seq] = S), each summed from its own angle0[j] ([n_seq, H, RD])
+    or 0."""
     B, S, H, RD = angles_raw.shape
     _check_steps("angles_raw", angles_raw, (B, S, H, RD))
     _check_steps("dt", dt, (B, H, S))
     if angle0 is not None:
-        _check_steps("angle0", angle0, (B, H, RD))
+        _check_steps("angle0", angle0, (_rows(B, bounds), H, RD))
         angle0 = angle0.contiguous()
     out = torch.empty(B, S, H, RD, device=angles_raw.device, dtype=torch.float32)
-    _angle_launch(angles_raw, dt, out, out, angles_raw, dt, block_steps, False, angle0)
+    _angle_launch(angles_raw, dt, out, out, angles_raw, dt, out, block_steps, False, angle0,
+                  bounds)
     return out
 
 
 def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: torch.Tensor,
-                       block_steps: int = BLOCK_STEPS):
-    """(d Angles [B, S, H, RD], the angles' share of d DT [B, H, S]), both fp32, from the
-    gradient d_angles [B, S, H, RD] of angle_sum's output and its inputs."""
+                       bounds: Optional[torch.Tensor] = None, block_steps: int = BLOCK_STEPS):
+    """(d Angles [B, S, H, RD], the angles' share of d DT [B, H, S], d angle0 [B or n_seq, H,
+    RD]), all fp32, from the gradient d_angles [B, S, H, RD] of angle_sum's output and its
+    inputs (bounds as angle_sum's)."""
     B, S, H, RD = angles_raw.shape
     _check_steps("d_angles", d_angles, (B, S, H, RD))
     _check_steps("angles_raw", angles_raw, (B, S, H, RD))
     _check_steps("dt", dt, (B, H, S))
     d_angles = d_angles.contiguous()
-    d_raw = torch.empty(B, S, H, RD, device=angles_raw.device, dtype=torch.float32)
-    d_dt = torch.empty(B, H, S, device=angles_raw.device, dtype=torch.float32)
+    f32 = dict(device=angles_raw.device, dtype=torch.float32)
+    d_raw = torch.empty(B, S, H, RD, **f32)
+    d_dt = torch.empty(B, H, S, **f32)
+    d_angle0 = torch.empty(_rows(B, bounds), H, RD, **f32)
     # the kernel reads angles_raw and writes d_raw with one set of strides, dt and d_dt too
     _angle_launch(angles_raw.contiguous(), dt.contiguous(), d_angles, d_angles, d_raw, d_dt,
-                  block_steps, True)
-    return d_raw, d_dt
+                  d_angle0, block_steps, True, None, bounds)
+    return d_raw, d_dt, d_angle0
 
 
-def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, block_steps: int,
-                  reverse: bool, angle0: Optional[torch.Tensor] = None) -> None:
+def _rows(B: int, bounds: Optional[torch.Tensor]) -> int:
+    """The rows of angle0: one per batch entry, or per packed sequence."""
+    if bounds is None:
+        return B
+    if B != 1 or bounds.dim() != 1 or bounds.dtype != torch.int32:
+        raise ValueError("bounds (packed sequences) must be int32 [n_seq + 1], with B = 1")
+    return bounds.numel() - 1
+
+
+def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0, block_steps: int,
+                  reverse: bool, angle0: Optional[torch.Tensor],
+                  bounds: Optional[torch.Tensor]) -> None:
     B, S, H, RD = angles_raw.shape
     ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
     assert ao[3] == 1, "the angles' output is contiguous in RD"
     with on_device(angles_raw.device):
-        angle_sum_kernel[(B * H,)](
+        angle_sum_kernel[(_rows(B, bounds) * H,)](
             angles_raw=angles_raw, dt=dt, angle0=angles if angle0 is None else angle0,
-            angles=angles, d_angles=d_angles, d_angles_raw=d_raw,
-            d_dt=d_dt, S=S, H=H, RD=RD, sab=ar[0], sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0],
-            sdh=ds[1], sds=ds[2], sob=ao[0], sos=ao[1], soh=ao[2], BS=block_steps,
-            BR=next_pow2(RD), TWO_PI=TWO_PI, REVERSE=reverse,
-            HAS_INIT=angle0 is not None, num_warps=8)
+            angles=angles, d_angles=d_angles, d_angles_raw=d_raw, d_dt=d_dt, d_angle0=d_angle0,
+            bounds=angles if bounds is None else bounds, S=S, H=H, RD=RD, sab=ar[0],
+            sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0], sdh=ds[1], sds=ds[2], sob=ao[0],
+            sos=ao[1], soh=ao[2], BS=block_steps, BR=next_pow2(RD), TWO_PI=TWO_PI,
+            REVERSE=reverse, HAS_INIT=angle0 is not None, VARLEN=bounds is not None,
+            num_warps=8)
 
 
 def decay_pieces(adt: torch.Tensor, chunk_size: int):

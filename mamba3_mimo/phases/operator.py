@@ -150,12 +150,9 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
     # step_terms reads DT and Trap as contiguous [B*H, S_pad] rows
     for name in ("DT", "Trap", "ADT"):
         a[name] = _pad_steps(x[name], 2, S_pad).contiguous()
-    if pk is None:
-        angles = preprocess.angle_sum(x["Angles"], x["DT"], x["angle0"])
-    else:
-        angles = packed.restart_angles(preprocess.angle_sum(x["Angles"], x["DT"]), pk,
-                                       x["angle0"])
-    angles = _pad_steps(angles, 1, S_pad)
+    angles = _pad_steps(preprocess.angle_sum(x["Angles"], x["DT"], x["angle0"],
+                                             bounds=None if pk is None else pk.step_bounds),
+                        1, S_pad)
     # ADT zero-padded: past S, da_cs keeps its last value and nothing decays
     a["da_cs"], a["da_cs_rev"], a["segsum"] = preprocess.decay_pieces(a["ADT"], C)
     numel, views = step_terms.table_views(m)
@@ -172,7 +169,7 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
         step_terms.launch(angles=angles, da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
                           dt=a["DT"], trap=a["Trap"], consts=m, **tables).run()
         for launch in chunk_state.launches(**state_args, cfg=cfg, init=_entering_state(x, pk),
-                                           starts=None if pk is None else pk.starts):
+                                           bounds=None if pk is None else pk.chunk_bounds):
             launch.run()
     return dict(a, **tables, **small, angles=angles, states=states, m=m)
 
@@ -438,7 +435,7 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         terms=c["terms"], cos=c["cos"], sin=c["sin"], da_cs=c["da_cs"],
         da_cs_rev=c["da_cs_rev"], segsum=c["segsum"], dy=dy, states=c["states"],
         d_final_state=d_final, consts=m, precision=m.PREC,
-        starts=None if pk is None else pk.starts, d_ends=d_ends)
+        bounds=None if pk is None else pk.chunk_bounds, d_ends=d_ends)
     # views of this call's own buffers: the final states' gradients are added in place
     dK, d_angles = g["dk"][:, :L], g["d_angles"][:, :L]
     if d_k is not None:
@@ -455,12 +452,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
                                   - d_k[..., :RD] * kr[..., half:half + RD]).sum(1), pk, L)
     if d_angle_end is not None:
         _add_last_rows(d_angles, d_angle_end, pk, L)
-    if pk is None:
-        d_summed, d_angle0 = d_angles, d_angles.sum(1)  # each running angle holds angle0
-    else:
-        d_summed, d_angle0 = packed.restart_angles_backward(d_angles, pk)
-    d_raw_angles, d_dt_angles = preprocess.angle_sum_backward(d_summed.contiguous(),
-                                                              xl["Angles"], xl["DT"])
+    d_raw_angles, d_dt_angles, d_angle0 = preprocess.angle_sum_backward(
+        d_angles, xl["Angles"], xl["DT"], bounds=None if pk is None else pk.step_bounds)
     d_dt, d_trap = trap_grads(g["d_gamma"][..., :L], g["d_trap_scale"][..., :L], xl["DT"],
                               xl["Trap"])
     d_dt = d_dt + d_dt_angles

@@ -1,44 +1,67 @@
 """Packed sequences (`cu_seqlens`, SPEC section 7) on the dense kernels: each sequence is laid out
 from a kernel-chunk boundary and followed by zero steps up to the end of one more chunk, its pad
 chunk. Zero steps add nothing and do not decay, so the state entering a sequence's pad chunk is
-its final state, and a sequence's last step sees no next step in its trapezoid term. The state
-pass and the reverse scan restart at every sequence's first chunk (their VARLEN flag), and the
-running angles restart by subtracting, per sequence, the running sum before its first step.
+its final state, and a sequence's last step sees no next step in its trapezoid term. The serial
+passes (the angle sum, the state pass and the reverse scan) run, with their VARLEN flag, one
+program per (sequence, head) over the sequence's own chunks: each sequence starts afresh, and
+the sequences run side by side rather than one after another.
 Here: the layout's index tables, and the gathers and scatters between the two layouts."""
 from __future__ import annotations
 
-import math
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import torch
 
 Tensor = torch.Tensor
-TWO_PI = 2 * math.pi
 
 
 @dataclass(frozen=True)
 class Packing:
     """The packed layout of one call: n_seq sequences, S given steps, S_pack laid-out steps
-    (whole chunks of C). pos [S]: where each given step lies; seq [S_pack]: the sequence of each
-    laid-out step (a pad step: the sequence it follows); firsts, lasts [n_seq]: where each
-    sequence's first and last steps lie; pad_chunks [n_seq]: each sequence's pad chunk;
-    starts [S_pack // C] int32: j for the chunk that starts sequence j, else -1. Long tensors on
-    the call's device."""
+    (whole chunks of C). pos [S]: where each given step lies; firsts, lasts [n_seq]: where each
+    sequence's first and last steps lie; pad_chunks [n_seq]: each sequence's pad chunk (long
+    tensors); chunk_bounds [n_seq + 1] int32: sequence j and its pad chunk cover chunks
+    chunk_bounds[j] .. chunk_bounds[j + 1] - 1 (the kernels' VARLEN tables; step_bounds the
+    same in steps). All on the call's device."""
     n_seq: int
     C: int
     S_pack: int
     pos: Tensor
-    seq: Tensor
     firsts: Tensor
     lasts: Tensor
     pad_chunks: Tensor
-    starts: Tensor
+    chunk_bounds: Tensor
+    step_bounds: Tensor
+
+
+# The boundaries read from the last few cu_seqlens tensors, and the layouts built from the last
+# few boundaries. Reading a device tensor's values waits for the device; every layer of a model
+# receives the same cu_seqlens tensor in a training step, so only the first one waits (as
+# flash-linear-attention's tensor_cache does). A tensor changed in place has a new _version
+# and is read again.
+_READ: "OrderedDict[tuple, Tuple[Tensor, List[int]]]" = OrderedDict()
+_LAYOUTS: "OrderedDict[tuple, Packing]" = OrderedDict()
+MAX_KEPT = 8
+
+
+def _kept(table: OrderedDict, key, make):
+    """table[key], made and kept (the MAX_KEPT most recent) where absent."""
+    value = table.get(key)
+    if value is None:
+        value = table[key] = make()
+        while len(table) > MAX_KEPT:
+            table.popitem(last=False)
+    else:
+        table.move_to_end(key)
+    return value
 
 
 def check_cu_seqlens(cu_seqlens, B: int, S: int) -> List[int]:
     """The sequence boundaries as a list, or TypeError / ValueError naming cu_seqlens: a 1-D
-    integer tensor [n_seq + 1], 0 first, S last, strictly increasing (no empty sequence); B = 1."""
+    integer tensor [n_seq + 1], 0 first, S last, strictly increasing (no empty sequence); B = 1.
+    The values of a tensor read before (the same object, unchanged since) are not read again."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -47,7 +70,9 @@ def check_cu_seqlens(cu_seqlens, B: int, S: int) -> List[int]:
     if B != 1:
         raise ValueError(f"cu_seqlens needs the sequences packed in one batch entry (B = 1), "
                          f"got B = {B}")
-    cu = [int(x) for x in cu_seqlens.tolist()]
+    # the entry keeps its tensor alive, so that no other tensor takes its id meanwhile
+    key = (id(cu_seqlens), cu_seqlens._version)
+    cu = _kept(_READ, key, lambda: (cu_seqlens, [int(x) for x in cu_seqlens.tolist()]))[1]
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != S or any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must start at 0, end at S = {S} and increase strictly "
                          f"(every sequence at least one step), got {cu[:8]}"
@@ -57,29 +82,26 @@ def check_cu_seqlens(cu_seqlens, B: int, S: int) -> List[int]:
 
 def packing(cu: List[int], C: int, device: torch.device) -> Packing:
     """The layout of sequences cu[j]..cu[j+1]-1, each from a chunk boundary and followed by zero
-    steps to the end of one more chunk (C: the kernels' chunk)."""
-    lengths = [b - a for a, b in zip(cu, cu[1:])]
-    chunks = [-(-n // C) + 1 for n in lengths]  # the sequence's chunks and its pad chunk
-    first_chunk = [0]
-    for n in chunks[:-1]:
-        first_chunk.append(first_chunk[-1] + n)
-    nc = first_chunk[-1] + chunks[-1]
-    pos, seq = [], []
-    for j, (n, c0, m) in enumerate(zip(lengths, first_chunk, chunks)):
-        pos.extend(range(c0 * C, c0 * C + n))
-        seq.extend([j] * (m * C))
-    starts = [-1] * nc
-    for j, c0 in enumerate(first_chunk):
-        starts[c0] = j
+    steps to the end of one more chunk (C: the kernels' chunk); the same object for the same
+    boundaries (the forward's and the backward's, the layers' of a model)."""
+    return _kept(_LAYOUTS, (tuple(cu), C, device), lambda: _packing(cu, C, device))
 
-    def longs(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
 
-    return Packing(n_seq=len(lengths), C=C, S_pack=nc * C, pos=longs(pos), seq=longs(seq),
-                   firsts=longs([c0 * C for c0 in first_chunk]),
-                   lasts=longs([c0 * C + n - 1 for c0, n in zip(first_chunk, lengths)]),
-                   pad_chunks=longs([c0 + m - 1 for c0, m in zip(first_chunk, chunks)]),
-                   starts=torch.tensor(starts, dtype=torch.int32, device=device))
+def _packing(cu: List[int], C: int, device: torch.device) -> Packing:
+    """packing's layout, built with tensor operations on the host (no Python loop over steps)
+    and copied to the device once."""
+    cu_t = torch.tensor(cu, dtype=torch.int64)
+    lengths = cu_t[1:] - cu_t[:-1]
+    chunks = (lengths + C - 1) // C + 1  # the sequence's chunks and its pad chunk
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), chunks.cumsum(0)])
+    first_chunk = bounds[:-1]
+    # a given step's place: its sequence's first laid-out step plus its index in the sequence
+    pos = torch.arange(cu[-1]) + torch.repeat_interleave(first_chunk * C - cu_t[:-1], lengths)
+    host = dict(pos=pos, firsts=first_chunk * C, lasts=first_chunk * C + lengths - 1,
+                pad_chunks=bounds[1:] - 1, chunk_bounds=bounds.to(torch.int32),
+                step_bounds=(bounds * C).to(torch.int32))
+    return Packing(n_seq=len(cu) - 1, C=C, S_pack=int(bounds[-1]) * C,
+                   **{k: v.to(device) for k, v in host.items()})
 
 
 def pack(x: Tensor, dim: int, pk: Packing) -> Tensor:
@@ -92,27 +114,3 @@ def pack(x: Tensor, dim: int, pk: Packing) -> Tensor:
 def unpack(x: Tensor, dim: int, pk: Packing) -> Tensor:
     """The given steps of a laid-out x (dim: its step dimension)."""
     return x.index_select(dim, pk.pos)
-
-
-def restart_angles(angles: Tensor, pk: Packing, angle0) -> Tensor:
-    """Running angles [1, S_pack, H, RD] that restart at every sequence (from angle0[j]
-    [n_seq, H, RD], or 0), from angles summed over the whole layout (mod 2*pi): the running sum
-    before a sequence's first step, taken at the step before it (a zero step, or 0 for the
-    first sequence), is subtracted from the sequence's steps, mod 2*pi."""
-    before = angles[0].index_select(0, (pk.firsts - 1).clamp(min=0))  # [n_seq, H, RD]
-    before[0] = 0
-    shift = -before if angle0 is None else angle0 - before
-    out = angles[0] + shift.index_select(0, pk.seq)
-    return torch.remainder(out, TWO_PI)[None]
-
-
-def restart_angles_backward(d_angles: Tensor, pk: Packing):
-    """(the gradient of the angles summed over the whole layout [1, S_pack, H, RD], d angle0
-    [n_seq, H, RD]) from d_angles [1, S_pack, H, RD] of restart_angles' output: each sequence's
-    total enters angle0 and leaves at the step before its first step (whose running sum was
-    subtracted)."""
-    totals = torch.zeros((pk.n_seq,) + tuple(d_angles.shape[2:]), device=d_angles.device,
-                         dtype=d_angles.dtype).index_add_(0, pk.seq, d_angles[0])
-    out = d_angles.clone()
-    out[0].index_add_(0, pk.firsts[1:] - 1, -totals[1:])
-    return out, totals
