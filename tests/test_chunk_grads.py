@@ -106,3 +106,18 @@ def test_raw_y_grads(shape, d_skip):
     errors = {n: rel_rms(got[n].cpu(), want[n]) for n in got}
     bad = {n: e for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
     assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
+
+
+@pytest.mark.parametrize("heads", [None, 1, 2], ids=["whole_group", "one", "two"])
+def test_heads_per_program(monkeypatch, heads):
+    """Three heads per group walked by one program, one program per head, or blocks of two (the
+    last block partial): dq and dk summed over the blocks' planes, every gradient within the
+    fp32 threshold of float64 autograd."""
+    monkeypatch.setattr(chunk_grads, "HEADS_PER_PROGRAM", heads)
+    shape = Shape(1, 9, 6, 2, 8, 6, 2, 4)
+    a, dy, d_final = _case(shape, True, seed=5)
+    want = _golden(a, dy, d_final, shape)
+    got = _ours(a, dy, d_final, shape, True)
+    errors = {n: rel_rms(got[n].cpu(), want[n]) for n in got}
+    bad = {n: e for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
+    assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"

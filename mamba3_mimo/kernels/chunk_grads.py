@@ -105,31 +105,38 @@ def _add_block(x, part, off, part_off, val, mask, part_mask, ADD):
     tl.store(x + off, val, mask=mask)
 
 
-@triton.jit(do_not_specialize=["S_pad", "n_bg", "nc", "plane", "sqb", "skb", "svb"])
+@triton.jit(do_not_specialize=["S_pad", "n_bg", "nc", "plane", "sqb", "skb", "svb",
+                               "head_plane"])
 def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
                        segsum, dy, states, dstates, dq, dk, part_qb, part_kb, dv, part_psi,
                        part_d, d_angles, d_gamma, d_trap_scale, d_adt, S_pad, n_bg, nc, plane, H,
-                       G, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn,
-                       svb, svs, svh, svp,
+                       G, HG, HPB, n_hb, head_plane, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn, skb,
+                       sks, skr, skg, skn, svb, svs, svh, svp,
                        TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                        HAS_D: tl.constexpr, PREC: tl.constexpr):
-    """One (b*g, chunk) per program (b*g fastest on grid axis 0), for the HG heads of group g in
-    turn; N in blocks of BJ pairs and P in blocks of BP columns. Writes dq, dk [B, S_pad, R, G, N]
-    (of q and k: summed over the group's heads) with each head's share of the bias gradients
+    """One (b*g, block of HPB heads, chunk) per program (b*g fastest on grid axis 0, then the
+    n_hb head blocks), for the heads of its block of group g in turn; N in blocks of BJ pairs
+    and P in blocks of BP columns. Writes dq, dk [n_hb, B, S_pad, R, G, N] (of q and k, summed
+    over the block's heads; head block i at i * head_plane, whose sum over the blocks is the
+    gradient) with each head's share of the bias gradients
     (part_qb, part_kb [B, nc, H, R, N]), dv [B, S_pad, H, P], d_angles
     [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad] and the chunk's shares of
     dPsi (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc], HAS_D), all fp32; reads dy
     [B, S_pad, R, H, P], states [B, H, nc, N, P] and dstates [B, H, nc + 1, N, P] (fp32)."""
     pid = tl.program_id(0)
-    bg, c = (pid % n_bg).to(tl.int64), (pid // n_bg).to(tl.int64)
+    bg, rest = (pid % n_bg).to(tl.int64), pid // n_bg
+    hb, c = rest % n_hb, (rest // n_hb).to(tl.int64)
     b, g = bg // G, bg % G
+    dq += hb.to(tl.int64) * head_plane
+    dk += hb.to(tl.int64) * head_plane
     HALF = N // 2
     ROWS: tl.constexpr = TP * RP
     t, r = chunk_rows(TP, RP)
     rk = tl.arange(0, RP)
     s0 = c * C
-    # the heads of the group in order, each adding its dQ and dK to the previous heads' sum
-    for hh in range(HG):
+    # the block's heads in order, each adding its dQ and dK to the previous heads' sum
+    h_lo = hb * HPB
+    for hh in range(h_lo, tl.minimum(h_lo + HPB, HG)):
         h = g * HG + hh
         bh = b * H + h
         row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
@@ -194,12 +201,12 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
             hm = rows[:, None] & (j < HALF)[None, :]
             off = n_row[:, None] + j[None, :]
             bm = (rk < R)[:, None] & (j < HALF)[None, :]
-            _add_block(dq, part_qb, off, bias_at + j[None, :], cs * dq1 + sn * dq2, hm, bm, hh > 0)
+            _add_block(dq, part_qb, off, bias_at + j[None, :], cs * dq1 + sn * dq2, hm, bm, hh > h_lo)
             _add_block(dq, part_qb, off + HALF, bias_at + HALF + j[None, :], cs * dq2 - sn * dq1, hm,
-                       bm, hh > 0)
-            _add_block(dk, part_kb, off, bias_at + j[None, :], cs * dk1 + sn * dk2, hm, bm, hh > 0)
+                       bm, hh > h_lo)
+            _add_block(dk, part_kb, off, bias_at + j[None, :], cs * dk1 + sn * dk2, hm, bm, hh > h_lo)
             _add_block(dk, part_kb, off + HALF, bias_at + HALF + j[None, :], cs * dk2 - sn * dk1, hm,
-                       bm, hh > 0)
+                       bm, hh > h_lo)
             d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
             tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
                      mask=steps[:, None] & (j < RD)[None, :])
@@ -268,6 +275,11 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
 # two stages were slower).
 BLOCK_PAIRS, BLOCK_P, STATE_BLOCK_PAIRS = 16, 32, 64
 OPTIONS = dict(num_warps=4, num_stages=2)
+# Heads of a group per chunk_grads program (None: the whole group, one program per (b*g,
+# chunk) that walks its heads in turn). Fewer heads per program run the blocks side by side,
+# each into its own plane of dq and dk, which a fixed-order sum then adds (more programs, a
+# shorter serial chain each, n_hb planes of dq and dk in memory). Not yet timed on the GPU.
+HEADS_PER_PROGRAM = None
 STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 
 
@@ -296,7 +308,12 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     dstates = torch.zeros(B, H, nc + 1, N, P, **f32)
     if d_final_state is not None:
         dstates[:, :, nc] = d_final_state
-    out = dict(dq=torch.empty(B, S_pad, R, G, N, **f32), dk=torch.empty(B, S_pad, R, G, N, **f32),
+    HG = H // G
+    HPB = HG if HEADS_PER_PROGRAM is None else max(1, min(HEADS_PER_PROGRAM, HG))
+    n_hb = -(-HG // HPB)
+    planes = dict(dq=torch.empty(n_hb, B, S_pad, R, G, N, **f32),
+                  dk=torch.empty(n_hb, B, S_pad, R, G, N, **f32))
+    out = dict(dq=planes["dq"][0], dk=planes["dk"][0],
                part_qb=torch.empty(B, nc, H, R, N, **f32),
                part_kb=torch.empty(B, nc, H, R, N, **f32),
                dv=torch.empty(B, S_pad, H, P, **f32), part_psi=torch.empty(B * H, nc, R, P, **f32),
@@ -321,12 +338,15 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
             d_final=dstates if bounds is None else d_ends,
             VARLEN=bounds is not None,
             n_bh=B * H, **dict(common, BJ=SBJ), **STATE_OPTIONS)
-        chunk_grads_kernel[(B * G * nc,)](
+        chunk_grads_kernel[(B * G * n_hb * nc,)](
             q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,
             da_cs_rev=da_cs_rev, segsum=segsum, dy=dy, states=states, dstates=dstates,
-            dq=out["dq"], dk=out["dk"], part_qb=out["part_qb"], part_kb=out["part_kb"],
+            dq=planes["dq"], dk=planes["dk"], HPB=HPB, n_hb=n_hb,
+            head_plane=planes["dq"][0].numel(), part_qb=out["part_qb"], part_kb=out["part_kb"],
             dv=out["dv"], part_psi=out["part_psi"], part_d=out["part_d"], d_angles=out["d_angles"],
             d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"], d_adt=out["d_adt"],
             skb=ks[0], sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1],
             svh=vs[2], svp=vs[3], n_bg=B * G, G=G, HAS_D=m.HAS_D, **tables, **common, **OPTIONS)
+    if n_hb > 1:  # the head blocks' planes added in a fixed order: deterministic
+        out["dq"], out["dk"] = planes["dq"].sum(0), planes["dk"].sum(0)
     return out
