@@ -1,7 +1,8 @@
-"""A one-line switch for code written against upstream's module path: after `install()`,
+"""A one-line switch for code written against upstream's module paths: after `install()`,
 `from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo import mamba3_mimo` (as upstream's Mamba3 module
-and flash-linear-attention's Mamba3 layer import it) gives this package's `mamba3_mimo`, without
-mamba_ssm or TileLang installed.
+and flash-linear-attention's Mamba3 layer import it) gives this package's `mamba3_mimo`, and the
+decode path's `apply_rotary_qk_inference_fwd` and `mamba3_step_fn` (upstream.py) answer under
+theirs, without mamba_ssm, TileLang or CuTe installed.
 
     import mamba3_mimo.compat
     mamba3_mimo.compat.install()   # before importing the code that imports upstream's path
@@ -18,17 +19,26 @@ import sys
 import types
 from typing import Dict, Optional
 
+from . import upstream
 from .phases.operator import mamba3_mimo
 
 TARGET = "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo"
+# every module install() provides, with what it exposes
+MODULES = {
+    TARGET: {"mamba3_mimo": mamba3_mimo},
+    "mamba_ssm.ops.triton.mamba3.mamba3_mimo_rotary_step": {
+        "apply_rotary_qk_inference_fwd": upstream.apply_rotary_qk_inference_fwd},
+    "mamba_ssm.ops.cute.mamba3.mamba3_step_fn": {"mamba3_step_fn": upstream.mamba3_step_fn},
+}
 
 # what install() changed: module name -> the sys.modules entry it replaced (None: it added one)
 _replaced: Dict[str, Optional[types.ModuleType]] = {}
 
 
 def installed() -> bool:
-    """Whether upstream's path answers with this package's operator now."""
-    return getattr(sys.modules.get(TARGET), "mamba3_mimo", None) is mamba3_mimo
+    """Whether upstream's paths answer with this package's functions now."""
+    return all(getattr(sys.modules.get(name), attr, None) is fn
+               for name, exposed in MODULES.items() for attr, fn in exposed.items())
 
 
 def _upstream_present() -> bool:
@@ -47,16 +57,23 @@ def _module(name: str, package: bool) -> types.ModuleType:
 
 
 def install(force: bool = False) -> bool:
-    """Make `mamba_ssm.ops.tilelang.mamba3.mamba3_mimo.mamba3_mimo` this package's operator.
+    """Make upstream's paths (MODULES) give this package's operator and decode functions.
 
     Where a real mamba_ssm is installed, nothing changes unless force=True, which replaces only
-    the operator's module (upstream's other modules stay). Idempotent. Returns whether upstream's
-    path now gives this package's operator."""
+    these modules (upstream's other modules stay). Idempotent. Returns whether upstream's paths
+    now give this package's functions."""
     if installed():
         return True
     if _upstream_present() and not force:
         return False
-    parts = TARGET.split(".")
+    for target, exposed in MODULES.items():
+        _install_module(target, exposed, force)
+    return True
+
+
+def _install_module(target: str, exposed: dict, force: bool) -> None:
+    """Register `target` exposing `exposed`, with the packages above it where absent."""
+    parts = target.split(".")
     for depth in range(1, len(parts) + 1):
         name = ".".join(parts[:depth])
         leaf = depth == len(parts)
@@ -67,16 +84,16 @@ def install(force: bool = False) -> bool:
                 pass
         existing = sys.modules.get(name)
         if existing is not None and not leaf:
-            continue  # a package already there (upstream's, with force=True): keep it
+            continue  # a package already there (upstream's, or added above): keep it
         module = _module(name, package=not leaf)
         if leaf:
-            module.mamba3_mimo = mamba3_mimo
-            module.__all__ = ["mamba3_mimo"]
-        _replaced[name] = existing
+            module.__dict__.update(exposed)
+            module.__all__ = list(exposed)
+        if name not in _replaced:
+            _replaced[name] = existing
         sys.modules[name] = module
         if depth > 1:
             setattr(sys.modules[".".join(parts[:depth - 1])], parts[depth - 1], module)
-    return True
 
 
 def uninstall() -> None:

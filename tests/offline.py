@@ -99,6 +99,7 @@ def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
         raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing")
     from triton.runtime.jit import JITFunction
     from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo import upstream
     from mamba3_mimo.phases import operator, step
     from mamba3_mimo.runtime import launcher
     recorded = []
@@ -116,19 +117,21 @@ def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
     if fused_norm:
         args["fuse_pregate_headwise_rms_norm"] = True
     measured = arch // 10 in configs.MEASURED_MAJORS
-    saved = (JITFunction.run, launcher.DIRECT, operator.check_device, step.check_device)
+    saved = (JITFunction.run, launcher.DIRECT, operator.check_device, step.check_device,
+             upstream.check_device)
     try:
         JITFunction.run = record
         launcher.DIRECT = False  # every launch through JITFunction.run
         # CPU tensors stand for the GPU's
-        operator.check_device = step.check_device = lambda device: None
+        operator.check_device = step.check_device = upstream.check_device = lambda device: None
         with configs.override(measured_arch=measured):
             out = operator.mamba3_mimo(**args)
             out.float().sum().backward()
             _decode_step(args, shape, step.mamba3_mimo_step)
+            _upstream_step(args, shape)
     finally:
-        (JITFunction.run, launcher.DIRECT, operator.check_device,
-         step.check_device) = saved
+        (JITFunction.run, launcher.DIRECT, operator.check_device, step.check_device,
+         upstream.check_device) = saved
     return recorded
 
 
@@ -142,6 +145,20 @@ def _decode_step(args: dict, shape: Shape, step_fn) -> None:
     state = (torch.zeros(B, H, RD), torch.zeros(B, H, P, N), torch.zeros(B, R, H, N),
              torch.zeros(B, H, P, dtype=args["V"].dtype))
     step_fn(**token, state=state)
+
+
+def _upstream_step(args: dict, shape: Shape) -> None:
+    """One step of upstream's decode function (upstream.mamba3_step_fn, the kernel's PREPARED
+    form) as flash-linear-attention calls it: bf16 q, k and k state, fp32 state."""
+    from mamba3_mimo.upstream import mamba3_step_fn
+    B, H, P, N, R = shape.B, shape.H, shape.P, shape.N, shape.R
+    bf16 = dict(dtype=torch.bfloat16)
+    qk = torch.zeros(B, R, H, N, **bf16)
+    x = torch.zeros(B, H, P, **bf16)
+    proj = torch.zeros(R, H, P)
+    small = torch.zeros(B, H)
+    mamba3_step_fn(torch.zeros(B, H, P, N), qk, x, small, qk, qk, torch.zeros(H), x, small,
+                   small, proj, outproj=proj, out=torch.empty(B, H, P, **bf16), z=x, zproj=proj)
 
 
 def compile_for(fn, args: tuple, options: dict, arch: int):
@@ -206,7 +223,7 @@ def compiled_resources(shape: Shape, arch: int = 90, z_gate: bool = True,
         name = fn.__name__
         if "CAREFUL" in fn.arg_names and args[fn.arg_names.index("CAREFUL")]:
             name += ".rerun"  # chunk_output's rerun of tiles that met a non-finite value
-        for flag in ("GRAD", "REVERSE"):  # the operator's backward forms
+        for flag in ("GRAD", "REVERSE", "PREPARED"):  # the backward's forms, upstream's step
             if flag in fn.arg_names and args[fn.arg_names.index(flag)]:
                 name += "." + flag.lower()
         res[name] = dict(registers=regs, stack=stack, shared=kernel.metadata.shared,

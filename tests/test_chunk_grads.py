@@ -100,7 +100,11 @@ def _ours(a, dy, d_final, shape, d_skip):
 ], ids=lambda x: x.name if isinstance(x, Shape) else ("D" if x else "noD"))
 def test_raw_y_grads(shape, d_skip):
     """Every gradient within the fp32 threshold of float64 autograd."""
-    a, dy, d_final = _case(shape, d_skip, seed=3)
+    _check_against_autograd(shape, d_skip, seed=3)
+
+
+def _check_against_autograd(shape: Shape, d_skip: bool, seed: int) -> None:
+    a, dy, d_final = _case(shape, d_skip, seed=seed)
     want = _golden(a, dy, d_final, shape)
     got = _ours(a, dy, d_final, shape, d_skip)
     errors = {n: rel_rms(got[n].cpu(), want[n]) for n in got}
@@ -114,10 +118,4 @@ def test_heads_per_program(monkeypatch, heads):
     last block partial): dq and dk summed over the blocks' planes, every gradient within the
     fp32 threshold of float64 autograd."""
     monkeypatch.setattr(chunk_grads, "HEADS_PER_PROGRAM", heads)
-    shape = Shape(1, 9, 6, 2, 8, 6, 2, 4)
-    a, dy, d_final = _case(shape, True, seed=5)
-    want = _golden(a, dy, d_final, shape)
-    got = _ours(a, dy, d_final, shape, True)
-    errors = {n: rel_rms(got[n].cpu(), want[n]) for n in got}
-    bad = {n: e for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
-    assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
+    _check_against_autograd(Shape(1, 9, 6, 2, 8, 6, 2, 4), True, seed=5)

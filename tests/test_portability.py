@@ -78,12 +78,12 @@ OPERATOR_MAX_STACK = 2304
 def test_operator_kernels_fit(arch, dims, norm):
     """Every kernel of the whole operator's forward and backward (chunk_forward with and
     without GRAD, state_grad, chunk_grads, the preprocessing, the state pass) and of its decode
-    step fits SMEM_LIMIT
+    steps (ours, and upstream's form) fits SMEM_LIMIT
     of shared memory and spills at most OPERATOR_MAX_STACK bytes per thread."""
     res = compiled_resources(arch, *dims, "--operator", *(["--norm"] if norm else []))
     for name in ("chunk_forward_kernel", "chunk_forward_kernel.grad", "state_grad_kernel",
                  "chunk_grads_kernel", "angle_sum_kernel", "angle_sum_kernel.reverse",
-                 "decay_pieces_kernel", "decode_step_kernel"):
+                 "decay_pieces_kernel", "decode_step_kernel", "decode_step_kernel.prepared"):
         assert name in res, res
     assert all(shared <= SMEM_LIMIT for _, _, shared in res.values()), res
     assert all(stack <= OPERATOR_MAX_STACK for _, stack, _ in res.values()), res

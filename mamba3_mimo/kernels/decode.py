@@ -31,11 +31,16 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
                        RK: tl.constexpr, BJ: tl.constexpr, PP: tl.constexpr,
                        HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_OUT: tl.constexpr,
                        NORM: tl.constexpr, NORM_W: tl.constexpr, PREC: tl.constexpr,
-                       TWO_PI: tl.constexpr):
+                       TWO_PI: tl.constexpr, PREPARED: tl.constexpr):
     """One (b, h) per program. q, k [B, R, G, N]; v, z [B, H, P]; adt, dt, trap [B, H] (strides
-    sxb, sxh; sdb, sdh; stb, sth); angles_raw [B, H, RD]; norm_w [H * P] (NORM_W, else ones); angle [B, H, RD], state [B, H, P, N], k_prev [B, R, H, N]
-    (fp32) and v_prev [B, H, P], contiguous, read and written; out [B, H, P] (HAS_OUT) or
-    [B, R, H, P] (strides sob, sor, soh, sop)."""
+    sxb, sxh; sdb, sdh; stb, sth); angles_raw [B, H, RD]; norm_w [H * P] (NORM_W, else ones);
+    angle [B, H, RD], state [B, H, P, N], k_prev [B, R, H, N] (fp32) and v_prev [B, H, P],
+    contiguous, read and written; out [B, H, P] (HAS_OUT) or [B, R, H, P] (strides sob, sor,
+    soh, sop).
+
+    PREPARED (upstream's step, compat.mamba3_step_fn): q and k come bias-added and rotated, one
+    per head (G = H); adt holds A (the decay is exp(A dt)) and trap sigmoid(Trap); the angle is
+    not read, and k_prev and v_prev (of any dtype) are read but not written."""
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
     g = h // HG
@@ -47,9 +52,14 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
     rp_ok = rm[:, None] & pm[None, :]
     step_dt = tl.load(dt + b * sdb + h * sdh)
     step_trap = tl.load(trap + b * stb + h * sth).to(tl.float32)
-    decay = tl.exp(tl.load(adt + b * sxb + h * sxh))
-    gamma = step_dt * tl.sigmoid(step_trap)
-    shifted = step_dt * tl.sigmoid(-step_trap)
+    if PREPARED:
+        decay = tl.exp(tl.load(adt + b * sxb + h * sxh) * step_dt)
+        gamma = step_dt * step_trap
+        shifted = step_dt * (1.0 - step_trap)
+    else:
+        decay = tl.exp(tl.load(adt + b * sxb + h * sxh))
+        gamma = step_dt * tl.sigmoid(step_trap)
+        shifted = step_dt * tl.sigmoid(-step_trap)
     # PsiV of this step and of the previous one, [RK, PP] (zero rows past R)
     mv = tl.load(mimo_v + (h * R + r)[:, None] * P + p[None, :], mask=rp_ok, other=0.0)
     xv = tl.load(v + b * svb + h * svh + p * svp, mask=pm, other=0.0)
@@ -60,18 +70,25 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
     kp_at = k_prev + b * R * H * N + h * N  # rank r at r * H * N
     for j0 in range(0, HALF, BJ):
         j = j0 + tl.arange(0, BJ)
-        rot = j < RD
-        old = tl.load(angle + bh * RD + j, mask=rot, other=0.0)
-        x = tl.load(angles_raw + b * sab + h * sah + j * sar, mask=rot, other=0.0)
-        new = old + tanh(x) * (TWO_PI / 2) * step_dt
-        new = new - TWO_PI * tl.floor(new / TWO_PI)
-        cs = tl.where(rot, tl.cos(new), 1.0)[None, :]
-        sn = tl.where(rot, tl.sin(new), 0.0)[None, :]
-        q1, q2 = load_rotated(q + b * sqb + g * sqg, r * sqr, rm, q_bias, (h * R + r) * N, cs,
-                              sn, j0, BJ, HALF, sqn, True)
-        k1, k2 = load_rotated(k + b * skb + g * skg, r * skr, rm, k_bias, (h * R + r) * N, cs,
-                              sn, j0, BJ, HALF, skn, True)
+        if PREPARED:
+            q1, q2 = load_pair_columns(q + b * sqb + g * sqg, r * sqr, rm, j0, BJ, HALF, sqn)
+            k1, k2 = load_pair_columns(k + b * skb + g * skg, r * skr, rm, j0, BJ, HALF, skn)
+            q1, q2, k1, k2 = (q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32),
+                              k2.to(tl.float32))
+        else:
+            rot = j < RD
+            old = tl.load(angle + bh * RD + j, mask=rot, other=0.0)
+            x = tl.load(angles_raw + b * sab + h * sah + j * sar, mask=rot, other=0.0)
+            new = old + tanh(x) * (TWO_PI / 2) * step_dt
+            new = new - TWO_PI * tl.floor(new / TWO_PI)
+            cs = tl.where(rot, tl.cos(new), 1.0)[None, :]
+            sn = tl.where(rot, tl.sin(new), 0.0)[None, :]
+            q1, q2 = load_rotated(q + b * sqb + g * sqg, r * sqr, rm, q_bias, (h * R + r) * N,
+                                  cs, sn, j0, BJ, HALF, sqn, True)
+            k1, k2 = load_rotated(k + b * skb + g * skg, r * skr, rm, k_bias, (h * R + r) * N,
+                                  cs, sn, j0, BJ, HALF, skn, True)
         kp1, kp2 = load_pair_columns(kp_at, r * H * N, rm, j0, BJ, HALF, 1)
+        kp1, kp2 = kp1.to(tl.float32), kp2.to(tl.float32)
         s_ok = (j < HALF)[:, None] & pm[None, :]
         s_off = p[None, :] * N + j[:, None]  # [BJ, PP] of the [P, N] state
         h1 = tl.load(st + s_off, mask=s_ok, other=0.0)
@@ -86,11 +103,12 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
         tl.debug_barrier()
         tl.store(st + s_off, h1, mask=s_ok)
         tl.store(st + s_off + HALF, h2, mask=s_ok)
-        k_ok = rm[:, None] & (j < HALF)[None, :]
-        k_off = r[:, None] * H * N + j[None, :]
-        tl.store(kp_at + k_off, k1, mask=k_ok)
-        tl.store(kp_at + k_off + HALF, k2, mask=k_ok)
-        tl.store(angle + bh * RD + j, new, mask=rot)
+        if not PREPARED:
+            k_ok = rm[:, None] & (j < HALF)[None, :]
+            k_off = r[:, None] * H * N + j[None, :]
+            tl.store(kp_at + k_off, k1, mask=k_ok)
+            tl.store(kp_at + k_off + HALF, k2, mask=k_ok)
+            tl.store(angle + bh * RD + j, new, mask=rot)
     if HAS_D:
         raw += tl.load(d + h) * psiv
     y = raw
@@ -111,8 +129,9 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
     else:
         tl.store(o_at + r[:, None] * sor + p[None, :] * sop, y.to(out.dtype.element_ty),
                  mask=rp_ok)
-    tl.debug_barrier()  # v_prev was read by every thread above
-    tl.store(v_prev + bh * P + p, xv.to(v_prev.dtype.element_ty), mask=pm)
+    if not PREPARED:
+        tl.debug_barrier()  # v_prev was read by every thread above
+        tl.store(v_prev + bh * P + p, xv.to(v_prev.dtype.element_ty), mask=pm)
 
 
 TWO_PI = 6.283185307179586
@@ -132,10 +151,11 @@ def block_pairs(n_programs: int, N: int) -> int:
 
 def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o, angles_raw, d,
            norm_w, angle, state, k_prev, v_prev, out, eps: float, has_z: bool, has_d: bool,
-           has_out: bool, norm: bool, norm_w_given: bool, precision: str) -> None:
+           has_out: bool, norm: bool, norm_w_given: bool, precision: str,
+           prepared: bool = False) -> None:
     """Launch decode_step_kernel over every (b, h); absent inputs are stand-ins that the flags
     keep unread. Shapes as the kernel's docstring; q_bias, k_bias, mimo_* [H, R, N or P] and
-    norm_w [H * P] contiguous."""
+    norm_w [H * P] contiguous; `prepared`: the kernel's PREPARED form."""
     B, R, G, N = q.shape
     H, P = v.shape[1], v.shape[2]
     RD = angles_raw.shape[-1]
@@ -157,4 +177,4 @@ def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o,
             stb=trap.stride(0), sth=trap.stride(1), sob=sob, sor=sor, soh=soh, sop=sop, RK=max(16, next_pow2(R)),
             BJ=block_pairs(B * H, N), PP=next_pow2(P), HAS_Z=has_z,
             HAS_D=has_d, HAS_OUT=has_out, NORM=norm, NORM_W=norm_w_given, PREC=precision,
-            TWO_PI=TWO_PI), dict(OPTIONS)).run()
+            TWO_PI=TWO_PI, PREPARED=prepared), dict(OPTIONS)).run()
