@@ -19,7 +19,7 @@ venv: $(VENV_STAMP)
 $(VENV)/.installed: pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install -e . pytest "numpy<2.4" triton==3.6.0
+	$(PIP) install -e ".[clients]" pytest "numpy<2.4" triton==3.6.0
 	touch $@
 
 demo: venv

@@ -183,8 +183,8 @@ def _check_operator_args(Q, V, ADT, Angles, MIMO_Z, MIMO_Out, Z, rotary_dim_divi
     H = V.shape[2]
     if H % G != 0:
         raise ValueError(f"V has {H} heads, not a multiple of the {G} q/k heads of Q")
-    if (MIMO_Z is None) != (Z is None):
-        raise ValueError("MIMO_Z and Z come together or not at all")
+    if Z is not None and MIMO_Z is None:
+        raise ValueError("Z needs MIMO_Z (MIMO_Z without Z is unused)")
     if Angles.shape[-1] != N // rotary_dim_divisor:
         raise ValueError(f"Angles has {Angles.shape[-1]} angles per head, expected "
                          f"N // rotary_dim_divisor = {N} // {rotary_dim_divisor}")
@@ -224,7 +224,7 @@ def _output_stage(raw_y: Tensor, MIMO_Out, MIMO_Z, Z, fuse_norm: bool, norm_weig
     pre-gate headwise RMSNorm y = raw_y * rsqrt(mean_p(raw_y^2) + eps) * w[h, :].
     """
     H, P = raw_y.shape[2], raw_y.shape[4]
-    zeta = None if MIMO_Z is None else MIMO_Z.to(dtype)
+    zeta = None if Z is None else MIMO_Z.to(dtype)  # MIMO_Z without Z is unused
     z = None if Z is None else Z.to(dtype)
     if MIMO_Out is None:
         y = raw_y

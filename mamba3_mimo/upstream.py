@@ -100,7 +100,7 @@ def mamba3_step_fn(state: Tensor, Bstate: Tensor, Xstate: Tensor, A: Tensor, B: 
     any float dtype, read only (the caller stores this step's B and x into them afterwards, as
     upstream's callers do); A, dt, trap [B, H] fp32 (trap = sigmoid(Trap), A the decay rate:
     the operator's ADT is A dt); B, C [B, R, H, N]; D [H] fp32; x, z [B, H, P]; xproj, zproj,
-    outproj [R, H, P] fp32. out [B, H, P], or [B, R, H, P] without outproj, in x's dtype;
+    outproj [R, H, P] fp32 (zproj unused without z). out [B, H, P], or [B, R, H, P] without outproj, in x's dtype;
     allocated when None and returned. tile_D and num_warps (upstream's CuTe tiling) are
     accepted and ignored; state_batch_indices and update_kv_state are not supported."""
     if state_batch_indices is not None or update_kv_state:
@@ -111,8 +111,8 @@ def mamba3_step_fn(state: Tensor, Bstate: Tensor, Xstate: Tensor, A: Tensor, B: 
     Bsz, H, P = x.shape
     R, N = B.shape[1], B.shape[3]
     dev, f32 = x.device, (torch.float32,)
-    if (z is None) != (zproj is None):
-        raise ValueError("z and zproj must be given together or both be None")
+    if z is not None and zproj is None:
+        raise ValueError("z needs zproj, the gate's projection [R, H, P]")
     out_shape = (Bsz, H, P) if outproj is not None else (Bsz, R, H, P)
     if out is None:
         out = torch.empty(out_shape, device=dev, dtype=x.dtype)
@@ -143,7 +143,7 @@ def mamba3_step_fn(state: Tensor, Bstate: Tensor, Xstate: Tensor, A: Tensor, B: 
     with on_device(dev):
         decode.launch(q=C, k=B, v=x, z=stand if z is None else z, adt=A, dt=dt, trap=trap,
                       q_bias=stand, k_bias=stand, mimo_v=heads_first(xproj),
-                      mimo_z=stand if zproj is None else heads_first(zproj),
+                      mimo_z=stand if z is None else heads_first(zproj),
                       mimo_o=stand if outproj is None else heads_first(outproj),
                       angles_raw=A[..., None], d=D, norm_w=stand, angle=stand, state=state,
                       k_prev=Bstate, v_prev=Xstate, out=out, eps=0.0, has_z=z is not None,

@@ -118,8 +118,29 @@ def test_gradient_dtypes():
         assert x.grad is not None and x.grad.dtype == x.dtype, name
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_mimo_z_without_z_is_unused(compiled):
+    """MIMO_Z given with Z None (as flash-linear-attention's layer passes it with its
+    output-projection norm): the results of MIMO_Z None, bit for bit, and a zero gradient for
+    MIMO_Z; also under torch.compile, whose fake backward expects a gradient of MIMO_Z's
+    shape."""
+    args = make_args(B=1, S=6, H=2, G=1, R=2, N=8, P=4, chunk_size=4, z=False, mimo_out=False)
+    args["MIMO_Z"] = torch.randn(2, 2, 4, dtype=torch.float64)
+    fn = torch.compile(mamba3_mimo, fullgraph=True, backend="aot_eager") if compiled \
+        else mamba3_mimo
+    results = []
+    for mimo_z in (args["MIMO_Z"], None):
+        a, _ = _leaves(dict(args, MIMO_Z=mimo_z), torch.float32, DEVICE, None)
+        out = fn(**a)
+        out.sum().backward()
+        results.append((out.detach(), a["Q"].grad, a["MIMO_Z"]))
+    (out, dq, mimo_z), (want, want_dq, _) = results
+    assert torch.equal(out, want) and torch.equal(dq, want_dq)
+    assert mimo_z.grad is not None and not mimo_z.grad.any()
+
+
 @pytest.mark.parametrize("bad,match", [
-    (dict(MIMO_Z=None), "MIMO_Z and Z"),
+    (dict(MIMO_Z=None), "Z needs MIMO_Z"),
     (dict(MIMO_Out=None, fuse_pregate_headwise_rms_norm=True), "fuse_pregate"),
     (dict(rotary_dim_divisor=1), "rotary_dim_divisor"),
     (dict(chunk_size=0), "chunk_size"),

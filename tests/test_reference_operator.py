@@ -337,7 +337,10 @@ def test_dtypes_and_errors():
     with pytest.raises(ValueError, match="cu_seqlens"):
         mamba3_mimo_reference(**args, cu_seqlens=torch.tensor([0, 13]))
     with pytest.raises(ValueError, match="MIMO_Z"):
-        mamba3_mimo_reference(**{**args, "Z": None})
+        mamba3_mimo_reference(**{**args, "MIMO_Z": None})
+    # MIMO_Z without Z is unused (flash-linear-attention's layer passes it so)
+    assert torch.equal(mamba3_mimo_reference(**{**args, "Z": None}),
+                       mamba3_mimo_reference(**{**args, "Z": None, "MIMO_Z": None}))
     with pytest.raises(ValueError, match="fuse_pregate"):
         mamba3_mimo_reference(**{**args, "MIMO_Out": None}, fuse_pregate_headwise_rms_norm=True)
     with pytest.raises(ValueError, match="rotary_dim_divisor"):

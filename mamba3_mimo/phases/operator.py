@@ -44,8 +44,9 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
     B, S, R, G, N, H, P, RD = check_dims(Q, V, chunk_size, rotary_dim_divisor, "Q", "V")
     cu = None if cu_seqlens is None else packed.check_cu_seqlens(cu_seqlens, B, S)
     n_states = B if cu is None else len(cu) - 1  # the states' rows: one per sequence
-    if (MIMO_Z is None) != (Z is None):
-        raise ValueError("MIMO_Z and Z must be given together or both be None")
+    if Z is not None and MIMO_Z is None:
+        # MIMO_Z without Z is allowed and unused (flash-linear-attention's layer passes it so)
+        raise ValueError("Z needs MIMO_Z, the gate's projection [H, R, P]")
     if fuse_norm and (MIMO_Out is None or Z is None):
         raise ValueError("fuse_pregate_headwise_rms_norm needs MIMO_Out, Z and MIMO_Z")
     if norm_weight is not None and not fuse_norm:
@@ -57,7 +58,9 @@ def validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, A
               ("Q_bias", Q_bias, (H, R, N), f32), ("K_bias", K_bias, (H, R, N), f32),
               ("MIMO_V", MIMO_V, hrp, f32), ("Angles", Angles, (B, S, H, RD), f32)]
     if Z is not None:
-        checks += [("MIMO_Z", MIMO_Z, hrp, f32), ("Z", Z, seq, x16)]
+        checks.append(("Z", Z, seq, x16))
+    if MIMO_Z is not None:
+        checks.append(("MIMO_Z", MIMO_Z, hrp, f32))
     if MIMO_Out is not None:
         checks.append(("MIMO_Out", MIMO_Out, hrp, f32))
     if D is not None:
@@ -469,6 +472,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if pb.has_z:
         grads["Z"] = dz[:, :L]
         grads["MIMO_Z"] = part_z.view(B, H, nc, R, P).sum((0, 2))
+    elif x["MIMO_Z"] is not None:  # given without Z: unused
+        grads["MIMO_Z"] = torch.zeros_like(x["MIMO_Z"])
     if x["MIMO_Out"] is not None:
         grads["MIMO_Out"] = part_o.view(B, H, nc, R, P).sum((0, 2))
     if pb.has_d:

@@ -63,8 +63,8 @@ def mamba3_mimo_step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, T
         raise TypeError("state must be a tuple (angle, state, k, v), as return_state=True "
                         "returns it")
     fuse_norm = bool(fuse_pregate_headwise_rms_norm)
-    if (MIMO_Z is None) != (Z is None):
-        raise ValueError("MIMO_Z and Z must be given together or both be None")
+    if Z is not None and MIMO_Z is None:
+        raise ValueError("Z needs MIMO_Z, the gate's projection [H, R, P]")
     if fuse_norm and (MIMO_Out is None or Z is None):
         raise ValueError("fuse_pregate_headwise_rms_norm needs MIMO_Out, Z and MIMO_Z")
     dev, x16, f32 = Q.device, (Q.dtype,), (torch.float32,)
@@ -79,7 +79,7 @@ def mamba3_mimo_step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, T
               ("state[2] (k)", k_prev, (B, R, H, N), f32),
               ("state[3] (v)", v_prev, (B, H, P), (V.dtype, torch.float32))]
     if Z is not None:
-        checks += [("MIMO_Z", MIMO_Z, (H, R, P), f32), ("Z", Z, (B, H, P), x16)]
+        checks += [("MIMO_Z", MIMO_Z, (H, R, P), f32), ("Z", Z, (B, H, P), x16)]  # else unused
     if MIMO_Out is not None:
         checks.append(("MIMO_Out", MIMO_Out, (H, R, P), f32))
     if D is not None:
@@ -107,7 +107,7 @@ def mamba3_mimo_step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, T
         decode.launch(q=Q, k=K, v=V, z=stand if Z is None else Z, adt=ADT, dt=DT, trap=Trap,
                       q_bias=Q_bias.contiguous(), k_bias=K_bias.contiguous(),
                       mimo_v=MIMO_V.contiguous(),
-                      mimo_z=stand if MIMO_Z is None else MIMO_Z.contiguous(),
+                      mimo_z=stand if Z is None else MIMO_Z.contiguous(),
                       mimo_o=stand if MIMO_Out is None else MIMO_Out.contiguous(),
                       angles_raw=Angles, d=stand if D is None else D,
                       norm_w=(stand if outproj_norm_weight is None

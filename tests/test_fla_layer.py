@@ -1,0 +1,126 @@
+"""flash-linear-attention's Mamba3 layer (`fla.layers.mamba3.Mamba3`, is_mimo=True) on this
+package through `mamba3_mimo.compat.install()`, on tiny configurations: the layer's output and
+every parameter's gradient equal those of the same layer on the float64 PyTorch reference of the
+operator, and generation with its cache (a prefill, then the layer's own decode step, token by
+token) gives the outputs of the full forward. The layer refuses non-CUDA weights in `forward`,
+so on the CPU the tests call the two methods behind it (`cuda_kernels_forward`, `step`)
+directly; the layer's own small kernels fall back to PyTorch there."""
+import copy
+import importlib
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICE, requires_gpu
+from mamba3_mimo import compat
+from mamba3_mimo.reference import mamba3_mimo_reference
+from mamba3_mimo.testing import THRESHOLDS, rel_rms
+
+pytest.importorskip("fla", reason="flash-linear-attention is not installed "
+                    "(`pip install -e .[clients]`)")
+LIMIT = THRESHOLDS[torch.float32]
+CONFIGS = {
+    # name: the layer's arguments (hidden 32, expand 2, head_dim 16: H = 4 heads)
+    "gqa": dict(n_groups=2, is_outproj_norm=False),
+    "outproj_norm": dict(n_groups=1, is_outproj_norm=True),
+}
+
+
+@pytest.fixture
+def fla_mamba3():
+    """fla.layers.mamba3 imported after install() (it resolves upstream's paths when imported),
+    and the switch undone afterwards."""
+    compat.uninstall()
+    assert compat.install()
+    module = sys.modules.get("fla.layers.mamba3")
+    module = importlib.reload(module) if module else importlib.import_module("fla.layers.mamba3")
+    assert module.mamba3_mimo_combined is not None and module.mamba3_step_fn is not None
+    yield module
+    compat.uninstall()
+    importlib.reload(module)
+
+
+def _layer(module, name, seed=0):
+    torch.manual_seed(seed)
+    layer = module.Mamba3(hidden_size=32, state_size=16, expand=2, head_dim=16, is_mimo=True,
+                          mimo_rank=2, chunk_size=4, **CONFIGS[name]).to(DEVICE)
+    with torch.no_grad():  # away from the initial ones, so that every parameter matters
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _reference_op(*args, **kwargs):
+    """The operator's float64 reference, as the layer calls the operator."""
+    out = mamba3_mimo_reference(*args, **kwargs)
+    return out.float() if isinstance(out, torch.Tensor) else tuple(x.float() for x in out)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layer_against_reference_operator(fla_mamba3, monkeypatch, name):
+    """Output and every parameter gradient of the layer on our operator against the same layer
+    on the reference operator (fp32 layer, sequence of 11 steps: not a multiple of the chunk)."""
+    ours = _layer(fla_mamba3, name)
+    ref = copy.deepcopy(ours)
+    x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    g = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    out, _ = ours.cuda_kernels_forward(x)
+    (out * g).sum().backward()
+    monkeypatch.setattr(fla_mamba3, "mamba3_mimo_combined", _reference_op)
+    want, _ = ref.cuda_kernels_forward(x)
+    (want * g).sum().backward()
+    assert rel_rms(out.detach().cpu(), want.detach().cpu()) <= LIMIT
+    grads = {n: (p.grad, q.grad) for (n, p), q in zip(ours.named_parameters(), ref.parameters())}
+    assert all(a is not None and b is not None for a, b in grads.values()), "a gradient is missing"
+    bad = {n: f"{e:.2e}" for n, (a, b) in grads.items()
+           if not (e := rel_rms(a.cpu(), b.cpu())) <= LIMIT}
+    assert not bad, f"parameter gradients above {LIMIT}: {bad}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generation_with_cache(fla_mamba3, name):
+    """A prefill of 5 tokens with the cache, then 4 tokens through the layer's decode step
+    (upstream's rotary step and step function, ours through the switch): the outputs of the
+    forward over the 9 tokens."""
+    layer = _layer(fla_mamba3, name, seed=3)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        whole, _ = layer.cuda_kernels_forward(x)
+        _, state = layer.cuda_kernels_forward(x[:, :5], use_cache=True)
+        state = tuple(s.clone() for s in state)
+        steps = [layer.step(x[:, t:t + 1], *state) for t in range(5, 9)]
+    err = rel_rms(torch.cat(steps, 1).cpu(), whole[:, 5:].cpu())
+    assert err <= LIMIT, f"decoded outputs: {err:.2e}"
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layer_full_size_on_the_gpu(fla_mamba3, monkeypatch, name):
+    """The issue's configuration (hidden 1024, expand 2, head_dim 64: 32 heads, state 128,
+    R = 4, chunk 16), one sequence of 2048 steps under bf16 autocast with fp32 parameters,
+    through the layer's own forward: output and every parameter gradient within the bf16
+    threshold of the same layer on the float64 reference operator."""
+    torch.manual_seed(5)
+    ours = fla_mamba3.Mamba3(hidden_size=1024, state_size=128, expand=2, head_dim=64,
+                             is_mimo=True, mimo_rank=4, chunk_size=16,
+                             **CONFIGS[name]).to(DEVICE)
+    ref = copy.deepcopy(ours)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2048, 1024, generator=gen).to(DEVICE)
+    g = torch.randn(1, 2048, 1024, generator=gen).to(DEVICE)
+    results = []
+    for layer in (ours, ref):
+        if layer is ref:
+            monkeypatch.setattr(fla_mamba3, "mamba3_mimo_combined", _reference_op)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x)[0]
+        (out.float() * g).sum().backward()
+        results.append(out.detach().float().cpu())
+    limit = THRESHOLDS[torch.bfloat16]
+    errors = {"out": rel_rms(*results)}
+    errors.update({n: rel_rms(p.grad.cpu(), q.grad.cpu())
+                   for (n, p), q in zip(ours.named_parameters(), ref.parameters())})
+    print(f"fla {name} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= limit}
+    assert not bad, f"above {limit}: {bad}"
