@@ -81,6 +81,44 @@ def test_decode_is_deterministic():
         assert torch.equal(x, y)
 
 
+def test_compiled_decode_loop():
+    """torch.compile(fullgraph=True) of a loop of three steps (the step is a custom op that
+    mutates the state and the output): the eager steps' outputs and states, bit for bit."""
+    a = _fp32(make_args(B=2, S=6, H=4, G=2, R=3, N=12, P=10, chunk_size=4, seed=105))
+    first = mamba3_mimo(**_steps(a, 0, 3), return_state=True)
+
+    def loop(state, out):
+        ys = []
+        for t in range(3, 6):
+            ys.append(mamba3_mimo_step(**step_arguments(a, t), state=state, out=out).clone())
+        return torch.stack(ys, 1)
+
+    compiled = torch.compile(loop, fullgraph=True,
+                             backend="inductor" if DEVICE == "cuda" else "aot_eager")
+    results = []
+    for fn in (loop, compiled):
+        state = tuple(x.clone() for x in first[1:])
+        results.append((fn(state, torch.empty_like(first[0][:, 0])), state))
+    assert torch.equal(results[0][0], results[1][0])
+    for x, y in zip(results[0][1], results[1][1]):
+        assert torch.equal(x, y)
+
+
+def test_step_op_passes_opcheck():
+    """The custom op behind the compiled step: its schema declares every tensor it writes, its
+    fake implementation and its dispatch agree with the real one (torch.library.opcheck)."""
+    from mamba3_mimo.phases import step as step_module
+    a = _fp32(make_args(B=1, S=3, H=2, G=1, R=2, N=8, P=6, chunk_size=4, seed=106))
+    first = mamba3_mimo(**_steps(a, 0, 2), return_state=True)
+    t = step_arguments(a, 2)
+    state = tuple(x.clone() for x in first[1:])
+    out = torch.empty_like(first[0][:, 0])
+    args = (t["Q"], t["K"], t["V"], t["ADT"], t["DT"], t["Trap"], t["Q_bias"], t["K_bias"],
+            t["MIMO_V"], t["MIMO_Z"], t["MIMO_Out"], t["Angles"], t["D"], t["Z"], None, *state,
+            out, False, 1e-5)
+    torch.library.opcheck(step_module._step_op, args)
+
+
 def test_bad_state():
     a = _fp32(make_args(B=1, S=3, H=2, G=1, R=2, N=8, P=6, chunk_size=4, seed=104))
     _, angle, state, k, v = mamba3_mimo(**a, return_state=True)

@@ -100,9 +100,25 @@ def mamba3_mimo_step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, T
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous: it is updated in place")
     check_device(dev)
-    stand = placeholder(dev)
     if out is None:
         out = torch.empty(out_shape, device=dev, dtype=Q.dtype)
+    # under torch.compile the launch is the custom op below (the checks above ran at trace time)
+    run = _step_op if torch.compiler.is_compiling() else _step
+    run(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+        outproj_norm_weight, angle, h_state, k_prev, v_prev, out, fuse_norm,
+        float(outproj_norm_eps))
+    return out
+
+
+def _step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor, Q_bias: Tensor,
+          K_bias: Tensor, MIMO_V: Tensor, MIMO_Z: Optional[Tensor], MIMO_Out: Optional[Tensor],
+          Angles: Tensor, D: Optional[Tensor], Z: Optional[Tensor],
+          norm_weight: Optional[Tensor], angle: Tensor, state: Tensor, k_prev: Tensor,
+          v_prev: Tensor, out: Tensor, fuse_norm: bool, eps: float) -> None:
+    """The launch of a checked step (mamba3_mimo_step's arguments; the four state tensors and
+    out written in place)."""
+    dev = Q.device
+    stand = placeholder(dev)
     with on_device(dev):
         decode.launch(q=Q, k=K, v=V, z=stand if Z is None else Z, adt=ADT, dt=DT, trap=Trap,
                       q_bias=Q_bias.contiguous(), k_bias=K_bias.contiguous(),
@@ -110,14 +126,24 @@ def mamba3_mimo_step(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, T
                       mimo_z=stand if Z is None else MIMO_Z.contiguous(),
                       mimo_o=stand if MIMO_Out is None else MIMO_Out.contiguous(),
                       angles_raw=Angles, d=stand if D is None else D,
-                      norm_w=(stand if outproj_norm_weight is None
-                              else outproj_norm_weight.reshape(H * P).contiguous()),
-                      angle=angle, state=h_state, k_prev=k_prev, v_prev=v_prev, out=out,
-                      eps=outproj_norm_eps, has_z=Z is not None, has_d=D is not None,
+                      norm_w=(stand if norm_weight is None
+                              else norm_weight.reshape(-1).contiguous()),
+                      angle=angle, state=state, k_prev=k_prev, v_prev=v_prev, out=out,
+                      eps=eps, has_z=Z is not None, has_d=D is not None,
                       has_out=MIMO_Out is not None, norm=fuse_norm,
-                      norm_w_given=outproj_norm_weight is not None,
-                      precision=_precision(dev))
-    return out
+                      norm_w_given=norm_weight is not None, precision=_precision(dev))
+
+
+# Under torch.compile the step is this custom op, which mutates the state and out in place
+# (no graph break; a compiled decode loop can be captured in a CUDA graph).
+_step_op = torch.library.custom_op(
+    "mamba3_mimo::decode_step", _step,
+    mutates_args=("angle", "state", "k_prev", "v_prev", "out"))
+
+
+@_step_op.register_fake
+def _step_fake(*args) -> None:
+    return None
 
 
 def _precision(device: torch.device) -> str:
