@@ -99,7 +99,7 @@ def mamba3_step_fn(state: Tensor, Bstate: Tensor, Xstate: Tensor, A: Tensor, B: 
     state_out, state left as it was); Bstate [B, R, H, N] and Xstate [B, H, P], contiguous, of
     any float dtype, read only (the caller stores this step's B and x into them afterwards, as
     upstream's callers do); A, dt, trap [B, H] fp32 (trap = sigmoid(Trap), A the decay rate:
-    the operator's ADT is A dt); B, C [B, R, H, N]; D [H] fp32; x, z [B, H, P]; xproj, zproj,
+    the operator's ADT is A dt; trap may also be in x's dtype); B, C [B, R, H, N]; D [H] fp32; x, z [B, H, P]; xproj, zproj,
     outproj [R, H, P] fp32 (zproj unused without z). out [B, H, P], or [B, R, H, P] without outproj, in x's dtype;
     allocated when None and returned. tile_D and num_warps (upstream's CuTe tiling) are
     accepted and ignored; state_batch_indices and update_kv_state are not supported."""
@@ -119,7 +119,8 @@ def mamba3_step_fn(state: Tensor, Bstate: Tensor, Xstate: Tensor, A: Tensor, B: 
     checks = [("state", state, (Bsz, H, P, N), f32), ("Bstate", Bstate, (Bsz, R, H, N), None),
               ("Xstate", Xstate, (Bsz, H, P), None), ("A", A, (Bsz, H), f32),
               ("B", B, (Bsz, R, H, N), None), ("C", C, (Bsz, R, H, N), (B.dtype,)),
-              ("D", D, (H,), f32), ("dt", dt, (Bsz, H), f32), ("trap", trap, (Bsz, H), f32),
+              ("D", D, (H,), f32), ("dt", dt, (Bsz, H), f32),
+              ("trap", trap, (Bsz, H), (torch.float32, x.dtype)),
               ("xproj", xproj, (R, H, P), f32), ("out", out, out_shape, (x.dtype,))]
     if state_out is not None:
         checks.append(("state_out", state_out, (Bsz, H, P, N), f32))

@@ -8,6 +8,11 @@
 # sequences: the tests of initial states, packed sequences and the decode step (full-size GPU
 # cases included, printing their errors) and their benchmark (python -m
 # mamba3_mimo.bench_sequences) into $OUT/sequences.log and $OUT/sequences/results.*.
+# clients: flash-linear-attention's Mamba3 layer on this package (tests/test_fla_layer.py,
+# tests/test_upstream_decode.py, printing the full-size errors) and python -m
+# mamba3_mimo.bench_clients into $OUT/clients.log and $OUT/clients/results.*; where fla is not
+# importable it is installed first from the wheels in .whl/ (carried: the GPU box has no network;
+# `pip download -d .whl flash-linear-attention==0.6.0` here, torch excluded).
 # validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
 # $OUT/san.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
@@ -20,8 +25,8 @@ set -o pipefail
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$part" in
-  tests|bench|all|sanitize|validate|operator|sequences) ;;
-  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator|sequences]" \
+  tests|bench|all|sanitize|validate|operator|sequences|clients) ;;
+  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator|sequences|clients]" \
           "[bench options]" >&2
      exit 2 ;;
 esac
@@ -55,6 +60,15 @@ fi
 if [ "$part" = sequences ]; then
   tests_then_bench sequences "^(packed|split|decode) " 900 tests/test_initial_state.py \
     tests/test_packed.py tests/test_decode.py -- "$@"
+  exit $?
+fi
+if [ "$part" = clients ]; then
+  if ! "${PYTHON:-python3}" -c "import fla" 2>/dev/null; then
+    "${PYTHON:-python3}" -m pip install -q --no-index --find-links .whl \
+      flash-linear-attention==0.6.0 || exit 2
+  fi
+  tests_then_bench clients "^fla " 600 tests/test_fla_layer.py tests/test_upstream_decode.py \
+    -- "$@"
   exit $?
 fi
 if [ "$part" = validate ]; then

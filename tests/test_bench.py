@@ -223,3 +223,31 @@ def test_sequences_benchmark_needs_a_gpu():
         pytest.skip("checks the refusal without a GPU")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bs.main(["--out", "/tmp/unused"])
+
+
+# ---------------------------------------------------------------------------- clients
+
+def test_clients_report(tmp_path):
+    """The clients benchmark's report: ours against upstream's layer (the package's data file),
+    the speed-up, the kernels' share and the decode rows, in results.json and results.md."""
+    from mamba3_mimo import bench_clients as bc
+    upstream = bc.load_upstream(bc.DEFAULT_UPSTREAM)
+    assert upstream[False]["fwd_bwd_ms"] == pytest.approx(6.254, abs=1e-3)
+    rows = [dict(kind="layer", outproj_norm=False, fwd_ms=0.5, fwd_bwd_ms=2.0, first_call_s=9.0,
+                 peak_extra_mib=900.0, kernels_ms=1.9, our_kernels_ms=1.2, our_share=0.63),
+            dict(kind="decode", B=64, ms_per_token=0.25)]
+    meta = dict(date="2026-12-03", gpu="test", git_commit="abc", torch="x", triton="y")
+    text = bc.report(rows, upstream, meta, 1, tmp_path)
+    assert "| False | 0.500 | 1.311 | 2.000 | 6.254 | 3.13 | 900 | 1133 | 9.0 | 154.0 | 0.63 |" \
+        in text
+    assert "| 64 | 0.2500 |" in text
+    assert json.loads((tmp_path / "results.json").read_text())["results"][0]["speedup_fwd_bwd"] \
+        == pytest.approx(6.254112 / 2.0)
+
+
+def test_clients_benchmark_needs_a_gpu():
+    from mamba3_mimo import bench_clients as bc
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without a GPU")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bc.main(["--out", "/tmp/unused"])
