@@ -301,6 +301,56 @@ def test_torch_compile_fullgraph():
     _assert_identical(got_out, got_grads, want_out, want_grads)
 
 
+@requires_gpu
+def test_training_step_in_a_cuda_graph():
+    """Forward and backward of the operator (official shape N64_P64_R4_C16 at S = 512, bf16)
+    captured in one CUDA graph and replayed on new inputs copied into the captured ones: the
+    eager step's output and gradients, bit for bit (nothing reads back to the host, every
+    launch goes to the capturing stream)."""
+    shape = Shape(2, 512, 16, 1, 64, 64, 4, 16)
+    names = ("Q", "K", "V", "Z", "ADT", "DT", "Trap", "Angles")
+    args = operator_inputs(shape, torch.bfloat16, device=DEVICE, seed=3)
+    for x in args.values():
+        if isinstance(x, torch.Tensor):
+            x.requires_grad_(True)
+    dout = torch.randn(args["V"].shape, device=DEVICE, dtype=torch.bfloat16)
+
+    def step():
+        mamba3_mimo(**args).backward(dout)
+
+    def grads():
+        return {n: x.grad.clone() for n, x in args.items() if isinstance(x, torch.Tensor)}
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compilation and the call plans, off the graph
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for x in args.values():
+        if isinstance(x, torch.Tensor):
+            x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fresh = operator_inputs(shape, torch.bfloat16, device=DEVICE, seed=4)
+    with torch.no_grad():
+        for n in names:
+            args[n].copy_(fresh[n])
+        for x in args.values():
+            if isinstance(x, torch.Tensor):
+                x.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    got = grads()
+    for x in args.values():
+        if isinstance(x, torch.Tensor):
+            x.grad = None
+    step()
+    for name, g in grads().items():
+        assert torch.equal(got[name], g), name
+
+
 def test_non_contiguous_inputs():
     """Q, K, V, Z, Trap and the per-step inputs as strided views (every other step of longer
     tensors, heads and steps transposed): the results of contiguous copies, bit for bit. S is a
