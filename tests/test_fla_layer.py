@@ -124,3 +124,34 @@ def test_layer_full_size_on_the_gpu(fla_mamba3, monkeypatch, name):
     print(f"fla {name} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= limit}
     assert not bad, f"above {limit}: {bad}"
+
+
+@requires_gpu
+def test_compiled_layer_on_the_gpu(fla_mamba3):
+    """torch.compile of the layer: no graph break inside this package (the layer's own code
+    may break the graph: its gated norm reads storage pointers), and the compiled forward and
+    backward give the eager results to bf16 rounding."""
+    torch.manual_seed(7)
+    layer = fla_mamba3.Mamba3(hidden_size=256, state_size=64, expand=2, head_dim=64,
+                              is_mimo=True, mimo_rank=4, chunk_size=16).to(DEVICE)
+    x = torch.randn(2, 256, 256, device=DEVICE)
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(x)[0]
+        out.float().square().sum().backward()
+        return out.detach().float(), {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    explained = torch._dynamo.explain(layer)(x)
+    ours = [b.reason for b in explained.break_reasons
+            if any("mamba3_mimo" in frame.filename for frame in b.user_stack)]
+    assert not ours, f"graph breaks inside mamba3_mimo: {ours}"
+    torch._dynamo.reset()
+    want_out, want_grads = run(layer)
+    got_out, got_grads = run(torch.compile(layer))
+    limit = THRESHOLDS[torch.bfloat16]
+    assert rel_rms(got_out.cpu(), want_out.cpu()) <= limit
+    bad = {n: e for n, g in got_grads.items()
+           if not (e := rel_rms(g.cpu(), want_grads[n].cpu())) <= limit}
+    assert not bad, bad
