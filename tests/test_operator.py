@@ -351,6 +351,23 @@ def test_training_step_in_a_cuda_graph():
         assert torch.equal(got[name], g), name
 
 
+def test_custom_ops_pass_opcheck():
+    """The operator's two custom ops (what torch.compile traces): schema, fake implementations,
+    autograd registration and dispatch agree with the real ones (torch.library.opcheck)."""
+    from mamba3_mimo.phases import operator as op
+    args = make_args(B=1, S=6, H=2, G=1, R=2, N=8, P=4, chunk_size=4)
+    a, _ = _leaves(args, torch.float32, DEVICE, None)
+    tensors = tuple(a[n] for n in ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias",
+                                   "MIMO_V", "MIMO_Z", "MIMO_Out", "Angles", "D", "Z"))
+    fwd_args = tensors + (None,) * 6 + (4, 2, False, 1e-5)  # norm weight, initial state, cu
+    # AOT dispatch is what test_torch_compile_fullgraph runs end to end
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(op._fwd_op, fwd_args, test_utils=checks)
+    d_outs = tuple(torch.randn_like(o) for o in op._fwd_op(*fwd_args))
+    plain = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in fwd_args[:19])
+    torch.library.opcheck(op._bwd_op, plain + d_outs + fwd_args[19:], test_utils=checks)
+
+
 def test_non_contiguous_inputs():
     """Q, K, V, Z, Trap and the per-step inputs as strided views (every other step of longer
     tensors, heads and steps transposed): the results of contiguous copies, bit for bit. S is a
