@@ -78,7 +78,7 @@ def test_layer_against_reference_operator(fla_mamba3, monkeypatch, name):
     assert not bad, f"parameter gradients above {LIMIT}: {bad}"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ["outproj_norm"])  # both step paths: per rank, then the norm
 def test_generation_with_cache(fla_mamba3, name):
     """A prefill of 5 tokens with the cache, then 4 tokens through the layer's decode step
     (upstream's rotary step and step function, ours through the switch): the outputs of the

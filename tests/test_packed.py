@@ -65,7 +65,7 @@ def test_equals_separate_runs(scan):
     (per-step gradients side by side, the others summed), with either form of the state pass,
     the loss reading every final state."""
     lengths = [4, 1, 7, 5]
-    args = _args(lengths, dict(H=4, G=2, R=3, N=12, P=10), seed=95)
+    args = _args(lengths, dict(H=2, G=1, R=3, N=12, P=10), seed=95)
     init = state_for(args, seed=96)
     init = tuple(torch.cat([x] * len(lengths)) for x in init)
     bounds = _cu(lengths).tolist()
@@ -91,9 +91,9 @@ def test_packed_deterministic():
     """Two runs with an initial state per sequence give the same bits: outputs and every
     gradient, the initial states' included (a per-sequence sum by index_add_ on the GPU, with
     its atomics, once differed in the last bits of d DT, d Angles and d angle0)."""
-    lengths = [3, 5, 9]
+    lengths = [3, 6]
     args = _args(lengths, dict(H=2, G=1, R=2, N=8, P=6), seed=95)
-    init = tuple(torch.cat([x] * 3) for x in state_for(args, seed=96))
+    init = tuple(torch.cat([x] * 2) for x in state_for(args, seed=96))
     runs = [_run(mamba3_mimo, *_ours(args, init), cu_seqlens=_cu(lengths)) for _ in range(2)]
     for part in (0, 1):
         for name, want in runs[0][part].items():
