@@ -407,12 +407,13 @@ def write_results(out_dir: Path, rows: List[dict], gms: dict, text: str,
 
 
 def arg_parser(prog: str, description: str, out: str,
-               upstream: Optional[Path] = None) -> argparse.ArgumentParser:
-    """The options the benchmarks take: --shapes, --rounds, --rep-ms, --out, and --upstream
-    where there are upstream times to compare with."""
+               upstream: Optional[Path] = None, shapes: bool = True) -> argparse.ArgumentParser:
+    """The options the benchmarks take: --shapes (where there is a choice of shapes), --rounds,
+    --rep-ms, --out, and --upstream where there are upstream times to compare with."""
     p = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
-    p.add_argument("--shapes", help="keep shapes whose label contains one of these "
-                   "comma-separated substrings (e.g. N128_P64,control)")
+    if shapes:
+        p.add_argument("--shapes", help="keep shapes whose label contains one of these "
+                       "comma-separated substrings (e.g. N128_P64,control)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per case (default 3)")
     p.add_argument("--rep-ms", type=int, default=100,
                    help="do_bench's timing window per candidate and round, ms (default 100, "

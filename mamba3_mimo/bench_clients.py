@@ -154,7 +154,7 @@ def plot(rows: List[dict], path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = arg_parser("mamba3_mimo.bench_clients",
                    "Benchmark flash-linear-attention's Mamba3 layer on this package.",
-                   "bench/clients", DEFAULT_UPSTREAM)
+                   "bench/clients", DEFAULT_UPSTREAM, shapes=False)
     opts = p.parse_args(argv)
     require_gpu("mamba3_mimo.bench_clients")
     module = fla_layer_module()

@@ -144,3 +144,24 @@ def test_rotation_forms(switched, pairwise, conjugate):
                                         rotate_pairwise=pairwise)
     assert res[0] is qi and res[1] is ki and res[2] is ai
     assert torch.equal(qi, q_out) and torch.equal(ki, k_out) and torch.equal(ai, nxt)
+
+
+def test_bad_arguments(switched):
+    """Shapes that upstream's functions would refuse raise errors naming the argument."""
+    from mamba3_mimo.upstream import apply_rotary_qk_inference_fwd, mamba3_step_fn
+    q = torch.zeros(2, 3, 4, 8, device=DEVICE)
+    angle, dt = torch.zeros(2, 4, 2, device=DEVICE), torch.zeros(2, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="q and k"):
+        apply_rotary_qk_inference_fwd(q, q[:1], angle, angle, dt)
+    with pytest.raises(ValueError, match="dt"):
+        apply_rotary_qk_inference_fwd(q, q, angle, angle, dt[:, :2])
+    with pytest.raises(ValueError, match="bias_k"):
+        apply_rotary_qk_inference_fwd(q, q, angle, angle, dt, bias_k=torch.zeros(3, 4, 6))
+    with pytest.raises(ValueError, match="angle_state"):
+        apply_rotary_qk_inference_fwd(q, q, torch.zeros(2, 4, 5, device=DEVICE),
+                                      torch.zeros(2, 4, 5, device=DEVICE), dt)
+    x = torch.zeros(2, 4, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="z needs zproj"):
+        mamba3_step_fn(torch.zeros(2, 4, 6, 8, device=DEVICE), q, x, dt, q, q,
+                       torch.zeros(4, device=DEVICE), x, dt, dt, torch.zeros(3, 4, 6, device=DEVICE),
+                       z=x)
