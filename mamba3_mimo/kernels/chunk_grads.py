@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..runtime.device import on_device
 from . import next_pow2
-from .common import chunk_rows, load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows
+from .common import chain, chunk_rows, load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows
 from .step_terms import Q_DECAY
 from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block, psiv_block,
                           rows_of_steps, state_block, step_sums, steps_of_rows)
@@ -42,15 +42,7 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_
     sequences, B = 1): one (sequence j, h) per program over chunks bounds[j] .. bounds[j + 1] - 1
     (bounds int32 [n_seq + 1]), from the last, starting from the sequence's final-state gradient
     d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side."""
-    if VARLEN:
-        seq = tl.program_id(0) // H
-        bh = (tl.program_id(0) % H).to(tl.int64)
-        lo = tl.load(bounds + seq)
-        n_ch = tl.load(bounds + seq + 1) - lo
-    else:
-        bh = tl.program_id(0).to(tl.int64)
-        lo = 0
-        n_ch = nc
+    bh, lo, n_ch, seq_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     b, h = bh // H, bh % H
     HALF = N // 2
     n_pb = tl.cdiv(P, BP)
@@ -65,8 +57,7 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_
     st_off = j[:, None] * P + p[None, :]
     ds = dstates + bh * (nc + 1) * N * P
     if VARLEN:
-        run1, run2 = state_block(d_final + (seq.to(tl.int64) * H + h) * N * P, j0, p0, HALF, P,
-                                 BJ, BP)
+        run1, run2 = state_block(d_final + seq_row * N * P, j0, p0, HALF, P, BJ, BP)
     else:
         run1, run2 = state_block(ds + nc * N * P, j0, p0, HALF, P, BJ, BP)
     q_h = q + b * sqb + (h // HG) * sqg

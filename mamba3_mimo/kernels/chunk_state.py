@@ -17,7 +17,7 @@ import triton.language as tl
 from ..runtime.launcher import Launch
 from ..runtime.plans import placeholder
 from . import cdiv, input_align
-from .common import (chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
+from .common import (chain, chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_v_steps, psi_v_rows, rotate_pairs)
 from .step_terms import K_DECAY
 
@@ -107,22 +107,6 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     tl.store(inc + off + HALF * P, dot(psi_t, k2 * w[:, None], PREC), mask=m)
 
 
-@triton.jit
-def _chain(pid, n_bh, nc, bounds, VARLEN: tl.constexpr):
-    """(b*h, its first chunk, its number of chunks, its row of init) of a state-pass program:
-    one (b*h) over all nc chunks, or with VARLEN (packed sequences, B = 1) one (sequence j, h)
-    over chunks bounds[j] .. bounds[j + 1] - 1, so that each sequence starts afresh from its
-    own init row and the sequences run side by side."""
-    if VARLEN:
-        seq = pid // n_bh
-        bh = (pid % n_bh).to(tl.int64)
-        lo = tl.load(bounds + seq)
-        return bh, lo.to(tl.int64), tl.load(bounds + seq + 1) - lo, seq.to(tl.int64) * n_bh + bh
-    else:
-        bh = pid.to(tl.int64)
-        return bh, bh * 0, nc, bh
-
-
 @triton.jit(do_not_specialize=["S_pad", "nc", "n_bh"])
 def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh,
                          NP_SIZE: tl.constexpr, BLOCK: tl.constexpr, DEPTH: tl.constexpr,
@@ -130,8 +114,8 @@ def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh
                          VARLEN: tl.constexpr):
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], on [BLOCK] slices; states[0] = 0,
     or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN
-    (packed sequences, B = 1, HAS_INIT): sequence j's chunks bounds[j] .. bounds[j + 1] - 1
-    (bounds int32 [n_seq + 1]) start from init[j * H + h] ([n_seq * H, N, P]), one program per
+    (packed sequences, B = 1): sequence j's chunks bounds[j] .. bounds[j + 1] - 1 (bounds int32
+    [n_seq + 1]) start from init[j * H + h] ([n_seq * H, N, P]) or zero, one program per
     (sequence, h, slice).
 
     The chunks go in groups of DEPTH, each group's increments and decays loaded before its
@@ -143,7 +127,7 @@ def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh
     KEEP_FP32 (narrower outputs that chunk_output may not read, configs.out_states_suffice) the
     fp32 state also replaces inc[c] for the chunks that start a chunk_output tile (c % U == 0),
     the only ones it reads, at full precision."""
-    bh, lo, n_ch, init_row = _chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
+    bh, lo, n_ch, init_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
     base = (bh * nc + lo) * NP_SIZE + e
@@ -187,7 +171,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     state_passing_kernel's (one program per (sequence, h, block)).
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
     also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
-    bh, lo, n_ch, init_row = _chain(tl.program_id(0), H, nc, bounds, VARLEN)
+    bh, lo, n_ch, init_row = chain(tl.program_id(0), H, nc, bounds, VARLEN)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)
     row = bh * S_pad + lo * C  # the chain's first step
@@ -266,10 +250,10 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
     or a one-element stand-in where consts.OUT_STATES lets chunk_output read `states` and the
     scan runs (never written then); otherwise it ends holding the fp32 states of the chunks
     that start an output tile. init: the state entering the first chunk [B, H, N, P] fp32
-    contiguous, or None for zero. bounds (packed sequences, B = 1, init given as
-    [n_seq, H, N, P]): int32 [n_seq + 1], sequence j covering chunks bounds[j] ..
-    bounds[j + 1] - 1 and starting from init[j]; the state pass then runs one program per
-    (sequence, head, block).
+    contiguous, or None for zero. bounds (packed sequences, B = 1, init then [n_seq, H, N, P]
+    or None): int32 [n_seq + 1], sequence j covering chunks bounds[j] .. bounds[j + 1] - 1 and
+    starting from init[j] or zero; the state pass then runs one program per (sequence, head,
+    block).
 
     cfg (configs.StateConfig): scan picks the fused state_scan_kernel over chunk_increment with
     state_passing, which use `inc` as their fp32 scratch. The first launch is the one whose
@@ -288,8 +272,6 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
         N=N, P=P, C=m.C, TP=m.TP, RP=m.RP, HALF=half, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, PREC=m.PREC,
         BA=BA)
     p_blocks = n_jb * cdiv(P, cfg.BP)
-    if bounds is not None and init is None:
-        raise ValueError("bounds (packed sequences) needs init")
     stand = placeholder(k.device)
     first = dict(init=stand if init is None else init, HAS_INIT=init is not None,
                  bounds=stand if bounds is None else bounds, VARLEN=bounds is not None)

@@ -335,3 +335,20 @@ def store_rank_sums(o_ptr, z_ptr, acc_o, acc_z, R, p, p_mask, P, RS: tl.constexp
     tl.store(o_ptr + off, acc_o, mask=m)
     if HAS_Z:
         tl.store(z_ptr + off, acc_z, mask=m)
+
+
+@triton.jit
+def chain(pid, n_bh, nc, bounds, VARLEN: tl.constexpr):
+    """(b*h, first chunk, number of chunks, row in a per-chain table such as the initial
+    states) of a program of a serial pass over the chunks (the state pass, the reverse scan):
+    one (b*h) over all nc chunks, or with VARLEN (packed sequences, B = 1) one (sequence j, h)
+    over chunks bounds[j] .. bounds[j + 1] - 1, so that each sequence starts afresh from its
+    own row and the sequences run side by side."""
+    if VARLEN:
+        seq = pid // n_bh
+        bh = (pid % n_bh).to(tl.int64)
+        lo = tl.load(bounds + seq)
+        return bh, lo.to(tl.int64), tl.load(bounds + seq + 1) - lo, seq.to(tl.int64) * n_bh + bh
+    else:
+        bh = pid.to(tl.int64)
+        return bh, bh * 0, nc, bh

@@ -189,13 +189,10 @@ def _previous_step(x: dict, pk: Optional[Packing]) -> Tuple[Tensor, Tensor, Tens
 
 def _entering_state(x: dict, pk: Optional[Packing]) -> Optional[Tensor]:
     """The state entering each sequence's first chunk [B or n_seq, H, N, P] fp32: the given
-    state (read as [N, P]) plus the previous step's shifted term, before step 0's decay; zero
-    for packed sequences without initial_state, None for other calls without one."""
+    state (read as [N, P]) plus the previous step's shifted term, before step 0's decay; None
+    without initial_state (the state pass starts from zero)."""
     if x["state0"] is None:
-        if pk is None:
-            return None
-        H, N, P = x["Q_bias"].shape[0], x["Q"].shape[-1], x["V"].shape[-1]
-        return torch.zeros(pk.n_seq, H, N, P, device=x["Q"].device, dtype=torch.float32)
+        return None
     s, X, _ = _previous_step(x, pk)
     return (x["state0"].transpose(-1, -2) + s[..., None, None] * X).contiguous()
 
@@ -519,8 +516,7 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
     (angle [B, H, RD], state [B, H, P, N], k [B, R, H, N] fp32, v [B, H, P] in V's dtype or
     fp32): the call continues the sequence that state ended. Gradients come for every tensor
     input that requires grad (the initial state's too), in its dtype. Raises ValueError /
-    TypeError naming a bad argument, NotImplementedError for cu_seqlens and an unsupported
-    device. Under torch.compile it is the custom ops `mamba3_mimo::operator_fwd` and
+    TypeError naming a bad argument, NotImplementedError for an unsupported device. Under torch.compile it is the custom ops `mamba3_mimo::operator_fwd` and
     `operator_bwd` (no graph break)."""
     init = (None,) * 4 if initial_state is None else tuple(initial_state)
     fuse_norm = bool(fuse_pregate_headwise_rms_norm)
