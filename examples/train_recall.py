@@ -52,6 +52,10 @@ def build_model(layers: int, hidden: int, device: str):
     """Mamba3ForCausalLM with MIMO layers, imported after the switch to this package."""
     if not mamba3_mimo.compat.install():
         raise SystemExit("a real mamba_ssm is installed; run without it to train on mamba3_mimo")
+    layer = sys.modules.get("fla.layers.mamba3")
+    if layer is not None and getattr(layer, "mamba3_mimo_combined", None) is None:
+        # flash-linear-attention resolves upstream's path when it is imported
+        raise SystemExit("fla was imported before mamba3_mimo.compat.install(); install first")
     models = importlib.import_module("fla.models")
     config = models.Mamba3Config(vocab_size=KEYS + VALUES + 1, hidden_size=hidden,
                                  num_hidden_layers=layers, state_size=64, head_dim=32, expand=2,

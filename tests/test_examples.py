@@ -43,7 +43,8 @@ def test_needs_a_gpu():
 def test_learns_recall_on_the_gpu(tmp_path):
     """400 steps on our operator learn the task (query accuracy above 0.5, chance 1/64); over
     the first 30 steps the loss stays within 0.05 of the float64 reference operator's."""
-    pytest.importorskip("fla", reason="flash-linear-attention is not installed")
+    if importlib.util.find_spec("fla") is None:  # not imported: the example installs first
+        pytest.skip("flash-linear-attention is not installed")
     result = _example().main(["--steps", "400", "--reference", "30",
                               "--out", str(tmp_path / "loss.png")])
     print(f"recall: accuracy {result['accuracy']:.3f}, {result['tokens_per_s']:.0f} tokens/s, "
