@@ -94,36 +94,115 @@ def test_generation_with_cache(fla_mamba3, name):
     assert err <= LIMIT, f"decoded outputs: {err:.2e}"
 
 
+# relative size of the noise the bf16 floor puts on the operator's output and input gradients:
+# bf16's unit roundoff, uniform in [-2**-8, 2**-8] (rms 2.3e-3, the size of the operator's own
+# errors against float64 at this configuration, 0.7-3.6e-3)
+NOISE = 2.0 ** -8
+
+
+class _Noise(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by 1 + NOISE u, u uniform in
+    [-1, 1] from a fixed seed."""
+
+    @staticmethod
+    def forward(ctx, x, seed):
+        ctx.seed = seed
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _noisy(grad, ctx.seed), None
+
+
+def _noisy(x, seed):
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    u = torch.rand(x.shape, device=x.device, generator=gen, dtype=torch.float64) * 2 - 1
+    return (x.double() * (1 + NOISE * u)).to(x.dtype)
+
+
+def _noisy_reference_op(*args, **kwargs):
+    """The float64 reference with bf16-sized relative noise on its output and on the gradient of
+    every tensor input: an operator exactly as accurate as bf16 rounding allows."""
+    kwargs = {n: _Noise.apply(x, 100 + i) if isinstance(x, torch.Tensor) and x.requires_grad
+              else x for i, (n, x) in enumerate(kwargs.items())}
+    out = mamba3_mimo_reference(*args, **kwargs)
+    return _noisy(out.double(), 99).float()
+
+
+def _layer_grads(layer, module, op, x, g):
+    """(output, parameter gradients) of the layer on `op` under bf16 autocast; with the operator's
+    own inputs and output gradient as seen on the way."""
+    seen = {}
+
+    def watched(**kwargs):
+        seen["inputs"] = {n: v.detach() if isinstance(v, torch.Tensor) else v
+                          for n, v in kwargs.items()}
+        out = op(**kwargs)
+        out.register_hook(lambda grad: seen.__setitem__("dout", grad.detach()))
+        return out
+
+    module.mamba3_mimo_combined = watched
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(x)[0]
+    (out.float() * g).sum().backward()
+    grads = {"out": out.detach().double()}
+    grads.update({n: p.grad.double() for n, p in layer.named_parameters()})
+    return grads, seen
+
+
+def _op_grads(op, inputs, dout):
+    """The operator's output and the gradient of every floating-point tensor input."""
+    leaves = {n: v.clone().requires_grad_(True) for n, v in inputs.items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    out = op(**dict(inputs, **leaves))
+    out.backward(dout.to(out.dtype))
+    return dict(out=out.detach().double(), **{n: v.grad.double() for n, v in leaves.items()})
+
+
 @requires_gpu
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_layer_full_size_on_the_gpu(fla_mamba3, monkeypatch, name):
+def test_layer_full_size_on_the_gpu(fla_mamba3, name):
     """The issue's configuration (hidden 1024, expand 2, head_dim 64: 32 heads, state 128,
     R = 4, chunk 16), one sequence of 2048 steps under bf16 autocast with fp32 parameters,
-    through the layer's own forward: output and every parameter gradient within the bf16
-    threshold of the same layer on the float64 reference operator."""
+    through the layer's own forward and backward.
+
+    At the operator, on the inputs and output gradient the layer gives it: the output and every
+    input gradient within the bf16 threshold of the float64 reference. At the layer: the output
+    and every parameter gradient against the same layer on the float64 reference operator, within
+    the bf16 threshold or twice the error of the layer on a reference operator that carries
+    exactly bf16-sized noise (_noisy_reference_op), whichever is larger: a parameter gradient
+    summed over all steps (the B and C biases and norm weights) passes the operator's errors
+    through the layer's backward, which can enlarge relative errors several times over (measured
+    on the H200 for the noise alone: docs/validation.md)."""
     torch.manual_seed(5)
-    ours = fla_mamba3.Mamba3(hidden_size=1024, state_size=128, expand=2, head_dim=64,
+    base = fla_mamba3.Mamba3(hidden_size=1024, state_size=128, expand=2, head_dim=64,
                              is_mimo=True, mimo_rank=4, chunk_size=16,
                              **CONFIGS[name]).to(DEVICE)
-    ref = copy.deepcopy(ours)
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(1, 2048, 1024, generator=gen).to(DEVICE)
     g = torch.randn(1, 2048, 1024, generator=gen).to(DEVICE)
-    results = []
-    for layer in (ours, ref):
-        if layer is ref:
-            monkeypatch.setattr(fla_mamba3, "mamba3_mimo_combined", _reference_op)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = layer(x)[0]
-        (out.float() * g).sum().backward()
-        results.append(out.detach().float().cpu())
+    ours_op = fla_mamba3.mamba3_mimo_combined
     limit = THRESHOLDS[torch.bfloat16]
-    errors = {"out": rel_rms(*results)}
-    errors.update({n: rel_rms(p.grad.cpu(), q.grad.cpu())
-                   for (n, p), q in zip(ours.named_parameters(), ref.parameters())})
-    print(f"fla {name} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
-    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= limit}
-    assert not bad, f"above {limit}: {bad}"
+    try:
+        ours, seen = _layer_grads(copy.deepcopy(base), fla_mamba3, ours_op, x, g)
+        ref, _ = _layer_grads(copy.deepcopy(base), fla_mamba3, _reference_op, x, g)
+        noisy, _ = _layer_grads(copy.deepcopy(base), fla_mamba3, _noisy_reference_op, x, g)
+    finally:
+        fla_mamba3.mamba3_mimo_combined = ours_op
+    # the operator alone, on what the layer passed it
+    got = _op_grads(ours_op, seen["inputs"], seen["dout"])
+    want = _op_grads(mamba3_mimo_reference, seen["inputs"], seen["dout"])
+    op_errors = {n: rel_rms(got[n], want[n]) for n in want}
+    print(f"fla {name} operator " + " ".join(f"{n}={e:.2e}" for n, e in op_errors.items()))
+    assert not {n: e for n, e in op_errors.items() if not e <= limit}, op_errors
+    # the layer
+    errors = {n: rel_rms(ours[n], ref[n]) for n in ref}
+    floor = {n: rel_rms(noisy[n], ref[n]) for n in ref}
+    print(f"fla {name} layer " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    print(f"fla {name} floor " + " ".join(f"{n}={e:.2e}" for n, e in floor.items()))
+    bad = {n: f"{e:.2e} (floor {floor[n]:.2e})" for n, e in errors.items()
+           if not e <= max(limit, 2 * floor[n])}
+    assert not bad, f"above max({limit}, twice the bf16 floor): {bad}"
 
 
 @requires_gpu
