@@ -5,7 +5,7 @@ Each sequence lists key-value pairs, then asks for the values of some of its key
 model must store the pairs in its state and read them back. A query is answered right when the
 token after it is the key's value; chance is 1 / VALUES.
 
-    python examples/train_recall.py --steps 400 --out recall.png
+    python examples/train_recall.py --out recall.png
 
 prints a progress bar, the tokens per second and the final query accuracy, and writes a PNG of
 the loss curve. With --reference N the same model (same initial weights, same batches) is also
@@ -126,13 +126,13 @@ def plot(curves: dict, path: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--pairs", type=int, default=32, help="key-value pairs per sequence")
-    p.add_argument("--queries", type=int, default=16, help="keys asked again per sequence")
+    p.add_argument("--pairs", type=int, default=8, help="key-value pairs per sequence")
+    p.add_argument("--queries", type=int, default=4, help="keys asked again per sequence")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference", type=int, default=0, metavar="N",
                    help="also train N steps on the float64 reference operator")
