@@ -503,9 +503,10 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
                 fuse_pregate_headwise_rms_norm: bool = False,
                 outproj_norm_weight: Optional[Tensor] = None,
                 outproj_norm_eps: float = 1e-5,
-                initial_state: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None):
+                initial_state: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None,
+                context_parallel_group=None):
     """The Mamba-3 MIMO operator (SPEC section 6), upstream's signature and argument order, plus
-    `initial_state` (SPEC section 7).
+    `initial_state` (SPEC section 7) and `context_parallel_group`.
 
     Shapes: Q, K [B, S, R, G, N]; V, Z [B, S, H, P]; ADT, DT, Trap [B, H, S]; Q_bias, K_bias
     [H, R, N]; MIMO_V, MIMO_Z, MIMO_Out [H, R, P]; Angles [B, S, H, N // rotary_dim_divisor];
@@ -516,8 +517,18 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
     (angle [B, H, RD], state [B, H, P, N], k [B, R, H, N] fp32, v [B, H, P] in V's dtype or
     fp32): the call continues the sequence that state ended. Gradients come for every tensor
     input that requires grad (the initial state's too), in its dtype. Raises ValueError /
-    TypeError naming a bad argument, NotImplementedError for an unsupported device. Under torch.compile it is the custom ops `mamba3_mimo::operator_fwd` and
-    `operator_bwd` (no graph break)."""
+    TypeError naming a bad argument, NotImplementedError for an unsupported device. Under
+    torch.compile it is the custom ops `mamba3_mimo::operator_fwd` and `operator_bwd` (no graph
+    break).
+
+    context_parallel_group: a torch.distributed process group whose ranks each pass a
+    contiguous slice of the same sequences (rank order = sequence order, any lengths); each
+    receives its slice's output, and the gradients equal those of one call over the whole
+    sequence (phases/context_parallel.py). initial_state is read on the group's first rank only;
+    with return_state each rank gets its slice's final state (the last rank: the sequence's).
+    Every rank must run the backward (its all-gather's backward is a collective)."""
+    if context_parallel_group is not None:
+        return _context_parallel(locals())
     init = (None,) * 4 if initial_state is None else tuple(initial_state)
     fuse_norm = bool(fuse_pregate_headwise_rms_norm)
     if torch.compiler.is_compiling():
@@ -541,3 +552,27 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
     with on_device(pb.device):
         return Mamba3Mimo.apply(pb, opts, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
                                 MIMO_Z, MIMO_Out, Angles, D, Z, outproj_norm_weight, *init)
+
+
+def _context_parallel(args: dict):
+    """mamba3_mimo(...) with a context_parallel_group (its docstring): each call of this rank's
+    slice is a plain call with return_state and an initial state."""
+    from . import context_parallel
+    group = args.pop("context_parallel_group")
+    if args["cu_seqlens"] is not None:
+        raise NotImplementedError("cu_seqlens with context_parallel_group is not supported: "
+                                  "pass one of them")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("context_parallel_group under torch.compile is not supported: "
+                                  "its collectives run eagerly")
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise ValueError("context_parallel_group needs an initialized torch.distributed "
+                         "process group")
+    return_state = args.pop("return_state")
+    plain = {n: v for n, v in args.items() if n != "initial_state"}
+    if torch.distributed.get_world_size(group) == 1:
+        return mamba3_mimo(**plain, return_state=return_state,
+                           initial_state=args["initial_state"])
+    return context_parallel.context_parallel(
+        lambda init: mamba3_mimo(**plain, return_state=True, initial_state=init), args, group,
+        return_state)

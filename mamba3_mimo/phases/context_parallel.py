@@ -1,0 +1,146 @@
+"""Context parallelism: one sequence split into contiguous slices, one per rank of a
+torch.distributed group, each rank computing its slice (SPEC section 7's states across calls).
+
+The recurrence is linear in the state it starts from, and the rotation angle only adds up. So a
+rank first runs its slice from a zero state and angle and summarizes it: the slice's angle sum,
+its final state and last k (both as if the angle had started at 0), its last v, its total decay
+and its first step's shifted-term weight. One all-gather of these small summaries ([B, H, P, N]
+dominates) gives every rank what the ranks before it end with; each folds them in sequence order
+(`entering_states`, a few tensor operations per rank) into the state entering its own slice and
+runs its slice again from that state. The first rank starts from the caller's initial state and
+runs once. Every piece is differentiable (the all-gather's backward sums every rank's gradient
+of the summaries), so the gradients equal those of one call over the whole sequence.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .operator import _rotate
+
+State = Tuple[Tensor, Tensor, Tensor, Tensor]
+# a slice's summary, in this order in the flat fp32 vector every rank contributes
+FIELDS = ("angle", "state", "k", "v", "decay", "shift")
+
+
+class _AllGather(torch.autograd.Function):
+    """[numel] per rank -> [world, numel] in rank order. The backward adds every rank's gradient
+    of the gathered rows (all_reduce, which every backend has) and keeps this rank's row."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+class _After(torch.autograd.Function):
+    """x unchanged (a copy), depending on `dep` with a zero gradient: ties every rank's output to
+    the all-gather, whose backward is a collective that every rank must join, the first rank's
+    output included (it depends on no other rank)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dep: Tensor) -> Tensor:
+        ctx.dep = (dep.shape, dep.dtype, dep.device)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, dtype, device = ctx.dep
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def summary(final: State, ADT: Tensor, DT: Tensor, Trap: Tensor) -> Dict[str, Tensor]:
+    """A slice's summary from its call's final state (angle [B, H, RD], state [B, H, P, N],
+    k [B, R, H, N], v [B, H, P]) and its ADT, DT, Trap [B, H, S]: those four (fp32), the total
+    decay sum_t ADT[t] [B, H] and the weight of the shifted term of the previous slice's last
+    step at its first step, DT[0] sigmoid(-Trap[0]) [B, H] (SPEC section 7)."""
+    angle, state, k, v = final
+    return dict(angle=angle.float(), state=state.float(), k=k.float(), v=v.float(),
+                decay=ADT.float().sum(-1),
+                shift=DT[..., 0].float() * torch.sigmoid(-Trap[..., 0].float()))
+
+
+def entering_states(parts: List[Dict[str, Tensor]], MIMO_V: Tensor) -> List[State]:
+    """The state entering each slice after the first, in SPEC section 7's form (angle, state
+    [B, H, P, N], k, v), from the slices' summaries in sequence order. The first slice's summary
+    is absolute (its call started from the sequence's initial state); the others' angle, state
+    and k are as if their angle had started at 0, and their state from zero: a slice that
+    starts from (angle0, state0, k0, v0) ends with
+
+        angle = angle0 + angle_j (mod 2 pi),   k = rot(angle0) k_j,   v = v_j,
+        state = exp(decay_j) (state0 + shift_j sum_r k0[r] (x) v0 MIMO_V[r]) + rot(angle0) state_j
+
+    (rot on the N pairs; the shifted term of the previous slice's last step enters at step 0)."""
+    first = parts[0]
+    angle, state, k, v = first["angle"], first["state"], first["k"], first["v"]
+    out = []
+    for part in parts[1:]:
+        out.append((angle, state, k, v))
+        psiv = v[:, :, None, :] * MIMO_V[None].float()  # [B, H, R, P]
+        shifted = torch.einsum("brhn,bhrp->bhpn", k, psiv)
+        own = _rotate(part["state"].transpose(1, 2), angle).transpose(1, 2)  # [B, P, H, N] view
+        state = (torch.exp(part["decay"])[..., None, None]
+                 * (state + part["shift"][..., None, None] * shifted) + own)
+        k = _rotate(part["k"], angle)
+        v = part["v"]
+        angle = torch.remainder(angle + part["angle"], 2 * math.pi)
+    return out
+
+
+def _flatten(part: Dict[str, Tensor]) -> Tensor:
+    return torch.cat([part[name].reshape(-1) for name in FIELDS])
+
+
+def _unflatten(flat: Tensor, like: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    out, at = {}, 0
+    for name in FIELDS:
+        n = like[name].numel()
+        out[name] = flat[at:at + n].view(like[name].shape)
+        at += n
+    return out
+
+
+def _check_group(group, part: Dict[str, Tensor]) -> None:
+    """Every rank's summary has the same shape (a mismatch would hang or corrupt all_gather)."""
+    dims = torch.tensor([p.numel() for p in part.values()], dtype=torch.int64,
+                        device=part["state"].device)
+    every = [torch.empty_like(dims) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, dims, group=group)
+    for rank, theirs in enumerate(every):
+        if not torch.equal(theirs, dims):
+            raise ValueError(f"context_parallel_group: rank {rank} has B, H, N, P, R or "
+                             f"rotary_dim_divisor other than rank {dist.get_rank(group)}'s; "
+                             "every rank passes a slice of the same sequences")
+
+
+def context_parallel(call: Callable[..., tuple], args: Dict[str, object], group,
+                     return_state: bool):
+    """mamba3_mimo(...) over a sequence split across the ranks of `group`, rank order =
+    sequence order. `call(initial_state)` runs this rank's slice (the operator's keyword `args`,
+    return_state=True) from that state. Returns this rank's output, with its slice's final
+    state (the sequence's on the last rank) when return_state."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    init = args.get("initial_state") if rank == 0 else None
+    first = call(init)
+    part = summary(first[1:], args["ADT"], args["DT"], args["Trap"])
+    _check_group(group, part)
+    gathered = _AllGather.apply(_flatten(part), group)
+    if rank == 0:
+        result = first
+    else:
+        parts = [_unflatten(row, part) for row in gathered[:rank + 1]]
+        result = call(entering_states(parts, args["MIMO_V"])[rank - 1])
+    out = _After.apply(result[0], gathered)
+    return (out, *result[1:]) if return_state else out

@@ -1,0 +1,157 @@
+"""Context parallelism (`mamba3_mimo(..., context_parallel_group=...)`): a sequence split into
+contiguous slices gives the output, final state and every gradient of one call over the whole
+sequence. In one process the slices' summaries are folded as the ranks fold them
+(`entering_states`); across processes, gloo groups of 2, 3 and 4 ranks run the public call, each
+on its slice, through the interpreter on the CPU (or on one GPU, all ranks sharing it)."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import DEVICE
+from mamba3_mimo import mamba3_mimo
+from mamba3_mimo.inputs import Shape, operator_inputs
+from mamba3_mimo.phases.context_parallel import entering_states, summary
+from mamba3_mimo.testing import THRESHOLDS, rel_rms
+
+LIMIT = THRESHOLDS[torch.float32]
+SEQ_DIM = dict(Q=1, K=1, V=1, Z=1, Angles=1, ADT=2, DT=2, Trap=2)  # the step axis of each
+CASES = {
+    # name: (shape, features, cut points of the sequence), every slice any length, one of 1 step
+    "z_d_norm_gqa": (Shape(1, 13, 4, 2, 8, 8, 2, 4), dict(norm=True), (5, 6)),
+    "per_rank_nod_init": (Shape(2, 11, 2, 1, 8, 8, 3, 4), dict(mimo_out=False, d_skip=False,
+                                                               init=True), (4, 5, 9)),
+    "noz_init": (Shape(1, 10, 2, 2, 8, 4, 2, 3), dict(z_gate=False, init=True), (7,)),
+}
+
+
+def _inputs(name: str, device=DEVICE):
+    """(leaves: every differentiable tensor, fp32, requiring grad; the other arguments)."""
+    shape, f, _ = CASES[name]
+    args = operator_inputs(shape, torch.float32, z_gate=f.get("z_gate", True),
+                           d_skip=f.get("d_skip", True), mimo_out=f.get("mimo_out", True),
+                           device=device, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    B, H, N, P, R = shape.B, shape.H, shape.N, shape.P, shape.R
+    if f.get("norm"):
+        args["fuse_pregate_headwise_rms_norm"] = True
+        args["outproj_norm_weight"] = 1 + 0.1 * torch.randn(H, P, generator=gen).to(device)
+    if f.get("init"):
+        args["initial_state"] = tuple(torch.randn(*s, generator=gen).to(device) for s in (
+            (B, H, shape.RD), (B, H, P, N), (B, R, H, N), (B, H, P)))
+    leaves = {}
+    for n, x in list(args.items()):
+        if isinstance(x, torch.Tensor):
+            leaves[n] = args[n] = x.requires_grad_(True)
+    if f.get("init"):
+        leaves.update({f"init{i}": x.requires_grad_(True) for i, x in
+                       enumerate(args["initial_state"])})
+    return leaves, args
+
+
+def _loss(out, final, name: str, parts=None):
+    """A random linear loss of the output (parts: this slice's steps) and of the final state."""
+    gen = torch.Generator().manual_seed(7)
+    shape = CASES[name][0]
+    g = torch.randn(out.shape[0], shape.S, *out.shape[2:], generator=gen).to(out.device)
+    if parts is not None:
+        g = g[:, parts[0]:parts[1]]
+    loss = (out * g).sum()
+    if final is not None:
+        for x in final:
+            loss = loss + (x * torch.randn(x.shape, generator=gen).to(x.device)).sum()
+    return loss
+
+
+def _slice(args: dict, lo: int, hi: int) -> dict:
+    return {n: x.narrow(SEQ_DIM[n], lo, hi - lo) if n in SEQ_DIM and x is not None else x
+            for n, x in args.items()}
+
+
+def _whole(name: str):
+    """Output, final state and gradients of one call over the whole sequence."""
+    leaves, args = _inputs(name)
+    out, *final = mamba3_mimo(**args, return_state=True)
+    _loss(out, final, name).backward()
+    return out.detach(), [x.detach() for x in final], {n: x.grad for n, x in leaves.items()}
+
+
+def _bounds(name: str):
+    shape, _, cuts = CASES[name]
+    edges = (0, *cuts, shape.S)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _compare(name, out, final, grads):
+    want_out, want_final, want_grads = _whole(name)
+    errors = {"out": rel_rms(out, want_out)}
+    errors.update({f"final{i}": rel_rms(a, b) for i, (a, b) in enumerate(zip(final, want_final))})
+    errors.update({n: rel_rms(grads[n], want_grads[n]) for n in want_grads})
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= LIMIT}
+    assert not bad, f"above {LIMIT}: {bad}"
+
+
+@pytest.mark.parametrize("name", ["per_rank_nod_init"])
+def test_slices_folded_in_one_process(name):
+    """The slices run as the ranks run them (the first from the initial state, the others from
+    zero, then again from the state folded from the summaries before them), in one process."""
+    leaves, args = _inputs(name)
+    plain = {n: x for n, x in args.items() if n != "initial_state"}
+    slices = [_slice(plain, lo, hi) for lo, hi in _bounds(name)]
+    first = mamba3_mimo(**slices[0], return_state=True, initial_state=args.get("initial_state"))
+    parts = [summary(first[1:], slices[0]["ADT"], slices[0]["DT"], slices[0]["Trap"])]
+    for s in slices[1:]:
+        alone = mamba3_mimo(**s, return_state=True)
+        parts.append(summary(alone[1:], s["ADT"], s["DT"], s["Trap"]))
+    results = [first] + [mamba3_mimo(**s, return_state=True, initial_state=init)
+                         for s, init in zip(slices[1:], entering_states(parts, args["MIMO_V"]))]
+    out = torch.cat([r[0] for r in results], 1)
+    _loss(out, results[-1][1:], name).backward()
+    _compare(name, out.detach(), [x.detach() for x in results[-1][1:]],
+             {n: x.grad for n, x in leaves.items()})
+
+
+def _rank(rank: int, world: int, name: str, folder: str) -> None:
+    """One rank: its slice through the public call, its loss's backward, its output and its
+    gradients saved for the parent."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                            world_size=world)
+    try:
+        leaves, args = _inputs(name, "cpu")
+        lo, hi = _bounds(name)[rank]
+        out, *final = mamba3_mimo(**_slice(args, lo, hi), return_state=True,
+                                  context_parallel_group=dist.group.WORLD)
+        _loss(out, final if rank == world - 1 else None, name, (lo, hi)).backward()
+        torch.save(dict(out=out.detach(), final=[x.detach() for x in final],
+                        grads={n: x.grad for n, x in leaves.items()}),
+                   os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU (the interpreter)")
+@pytest.mark.parametrize("name", list(CASES))
+def test_gloo_ranks(name):
+    """len(cuts) + 1 ranks (3, 4 and 2), one slice each: the slices' outputs, the last rank's
+    final state and the gradients summed over the ranks equal one call's."""
+    world = len(_bounds(name))
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_rank, args=(world, name, folder), nprocs=world, join=True)
+        ranks = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+    # the initial state reaches the first rank's graph only: no gradient on the others
+    grads = {n: sum(r["grads"][n] for r in ranks if r["grads"][n] is not None)
+             for n in ranks[0]["grads"]}
+    _compare(name, torch.cat([r["out"] for r in ranks], 1), ranks[-1]["final"], grads)
+
+
+def test_errors():
+    leaves, args = _inputs("noz_init")
+    args.pop("initial_state")
+    with pytest.raises(NotImplementedError, match="cu_seqlens with context_parallel_group"):
+        mamba3_mimo(**args, cu_seqlens=torch.tensor([0, 10]), context_parallel_group=object())
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="initialized torch.distributed"):
+            mamba3_mimo(**args, context_parallel_group=object())
