@@ -557,7 +557,7 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
 def _context_parallel(args: dict):
     """mamba3_mimo(...) with a context_parallel_group (its docstring): each call of this rank's
     slice is a plain call with return_state and an initial state."""
-    from . import context_parallel
+    from . import context_parallel  # here: it imports this module
     group = args.pop("context_parallel_group")
     if args["cu_seqlens"] is not None:
         raise NotImplementedError("cu_seqlens with context_parallel_group is not supported: "
