@@ -169,6 +169,18 @@ def first_call_s(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def peak_extra_mib(fwd_bwd: Callable[[], object]) -> float:
+    """The peak memory of one forward+backward above what exists after a first one (the inputs,
+    the parameters and their allocated gradients), MiB."""
+    fwd_bwd()  # the gradients exist from here on
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
 def kernel_ms(fn: Callable[[], object], calls: int = 20) -> Dict[str, float]:
     """Device time per call of each kernel that fn launches, in ms (torch.profiler's CUDA
     events): the kernels alone, without the host's time between them, which decides the

@@ -24,8 +24,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import compat
-from .bench import (_fmt, arg_parser, bar_plot, first_call_s, kernel_ms, md_table, progress,
-                    require_gpu, run_meta, write_results)
+from .bench import (_fmt, arg_parser, bar_plot, first_call_s, kernel_ms, md_table,
+                    peak_extra_mib, progress, require_gpu, run_meta, write_results)
 
 DEFAULT_UPSTREAM = Path(__file__).resolve().parent / "data" / "fla_layer_upstream_h200.json"
 LAYER = dict(hidden_size=1024, state_size=128, expand=2, head_dim=64, is_mimo=True, mimo_rank=4,
@@ -73,13 +73,7 @@ def layer_case(module, outproj_norm: bool, rounds: int, rep_ms: int) -> dict:
     row = dict(kind="layer", outproj_norm=outproj_norm, first_call_s=first_call_s(fwd_bwd))
     row["fwd_ms"] = _median(fwd, rounds, rep_ms)
     row["fwd_bwd_ms"] = _median(fwd_bwd, rounds, rep_ms, params)
-    fwd_bwd()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    row["peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    row["peak_extra_mib"] = peak_extra_mib(fwd_bwd)
     kernels = kernel_ms(fwd_bwd)
     ours = sum(ms for name, ms in kernels.items() if name.startswith(OUR_KERNELS))
     row["kernels_ms"], row["our_kernels_ms"] = sum(kernels.values()), ours

@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .bench import (_attempt, _fmt, arg_parser, bar_plot, first_call_s, geomean, md_table, progress,
-                    require_gpu, run_meta, write_results)
+from .bench import (_attempt, _fmt, arg_parser, bar_plot, first_call_s, geomean, md_table,
+                    peak_extra_mib, progress, require_gpu, run_meta, write_results)
 from .inputs import operator_inputs
 from .phases.operator import mamba3_mimo
 from .problem import Shape, official_shapes
@@ -68,18 +68,6 @@ def _call(shape: Shape, z: bool, norm: bool):
     return fwd, fwd_bwd, leaves
 
 
-def peak_extra_mib(fwd_bwd, leaves) -> float:
-    """The peak memory of one forward+backward above the inputs and their (allocated)
-    gradients."""
-    fwd_bwd()  # the gradients exist from here on
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-
-
 def run_case(case: dict, rounds: int, rep_ms: int, upstream: Dict[tuple, dict], bar) -> dict:
     from triton.testing import do_bench
     shape, z, norm = case["shape"], case["z"], case["norm"]
@@ -100,7 +88,7 @@ def run_case(case: dict, rounds: int, rep_ms: int, upstream: Dict[tuple, dict], 
         row["fwd_ms"] = statistics.median(samples["fwd_ms"])
         row["fwd_bwd_ms"] = statistics.median(samples["fwd_bwd_ms"])
         row["bwd_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
-        row["peak_extra_mib"] = _attempt(errors, "peak", lambda: peak_extra_mib(fwd_bwd, leaves))
+        row["peak_extra_mib"] = _attempt(errors, "peak", lambda: peak_extra_mib(fwd_bwd))
     up = upstream.get((shape.name, z, norm), {})
     row["upstream"] = up or None
     for key in TIMES + ("peak_extra_mib",):

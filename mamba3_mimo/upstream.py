@@ -99,10 +99,11 @@ def mamba3_step_fn(state: Tensor, Bstate: Tensor, Xstate: Tensor, A: Tensor, B: 
     state_out, state left as it was); Bstate [B, R, H, N] and Xstate [B, H, P], contiguous, of
     any float dtype, read only (the caller stores this step's B and x into them afterwards, as
     upstream's callers do); A, dt, trap [B, H] fp32 (trap = sigmoid(Trap), A the decay rate:
-    the operator's ADT is A dt; trap may also be in x's dtype); B, C [B, R, H, N]; D [H] fp32; x, z [B, H, P]; xproj, zproj,
-    outproj [R, H, P] fp32 (zproj unused without z). out [B, H, P], or [B, R, H, P] without outproj, in x's dtype;
-    allocated when None and returned. tile_D and num_warps (upstream's CuTe tiling) are
-    accepted and ignored; state_batch_indices and update_kv_state are not supported."""
+    the operator's ADT is A dt; trap may also be in x's dtype); B, C [B, R, H, N]; D [H] fp32;
+    x, z [B, H, P]; xproj, zproj, outproj [R, H, P] fp32 (zproj unused without z). out
+    [B, H, P], or [B, R, H, P] without outproj, in x's dtype; allocated when None and returned.
+    tile_D and num_warps (upstream's CuTe tiling) are accepted and ignored; state_batch_indices
+    and update_kv_state are not supported."""
     if state_batch_indices is not None or update_kv_state:
         raise NotImplementedError("mamba3_step_fn: state_batch_indices and update_kv_state are "
                                   "not supported; index the state pools before the call")

@@ -1,7 +1,7 @@
 """Context parallelism (`mamba3_mimo(..., context_parallel_group=...)`): a sequence split into
 contiguous slices gives the output, final state and every gradient of one call over the whole
 sequence. In one process the slices' summaries are folded as the ranks fold them
-(`entering_states`); across processes, gloo groups of 2, 3 and 4 ranks run the public call, each
+(`entering_state`); across processes, gloo groups of 2, 3 and 4 ranks run the public call, each
 on its slice, through the interpreter on the CPU (or on one GPU, all ranks sharing it)."""
 import os
 import tempfile
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from conftest import DEVICE
 from mamba3_mimo import mamba3_mimo
 from mamba3_mimo.inputs import Shape, operator_inputs
-from mamba3_mimo.phases.context_parallel import entering_states, summary
+from mamba3_mimo.phases.context_parallel import entering_state, summary
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
 
 LIMIT = THRESHOLDS[torch.float32]
@@ -109,8 +109,9 @@ def test_slices_folded_in_one_process(name):
     for s in slices[1:]:
         alone = mamba3_mimo(**s, return_state=True)
         parts.append(summary(alone[1:], s["ADT"], s["DT"], s["Trap"]))
-    results = [first] + [mamba3_mimo(**s, return_state=True, initial_state=init)
-                         for s, init in zip(slices[1:], entering_states(parts, args["MIMO_V"]))]
+    results = [first] + [mamba3_mimo(**s, return_state=True,
+                                     initial_state=entering_state(parts[:j], args["MIMO_V"]))
+                         for j, s in enumerate(slices[1:], 1)]
     out = torch.cat([r[0] for r in results], 1)
     _loss(out, results[-1][1:], name).backward()
     _compare(name, out.detach(), [x.detach() for x in results[-1][1:]],

@@ -6,7 +6,7 @@ rank first runs its slice from a zero state and angle and summarizes it: the sli
 its final state and last k (both as if the angle had started at 0), its last v, its total decay
 and its first step's shifted-term weight. One all-gather of these small summaries ([B, H, P, N]
 dominates) gives every rank what the ranks before it end with; each folds them in sequence order
-(`entering_states`, a few tensor operations per rank) into the state entering its own slice and
+(`entering_state`, a few tensor operations per rank) into the state entering its own slice and
 runs its slice again from that state. The first rank starts from the caller's initial state and
 runs once. Every piece is differentiable (the all-gather's backward sums every rank's gradient
 of the summaries), so the gradients equal those of one call over the whole sequence.
@@ -14,13 +14,13 @@ of the summaries), so the gradients equal those of one call over the whole seque
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .operator import _rotate
+from .operator import _rotate, shifted_term
 
 State = Tuple[Tensor, Tensor, Tensor, Tensor]
 # a slice's summary, in this order in the flat fp32 vector every rank contributes
@@ -46,9 +46,9 @@ class _AllGather(torch.autograd.Function):
 
 
 class _After(torch.autograd.Function):
-    """x unchanged (a copy), depending on `dep` with a zero gradient: ties every rank's output to
-    the all-gather, whose backward is a collective that every rank must join, the first rank's
-    output included (it depends on no other rank)."""
+    """x unchanged (a copy), depending on `dep` with a zero gradient: ties the first rank's
+    output, which depends on no other rank, to the all-gather, whose backward is a collective
+    that every rank must join."""
 
     @staticmethod
     def forward(ctx, x: Tensor, dep: Tensor) -> Tensor:
@@ -72,12 +72,12 @@ def summary(final: State, ADT: Tensor, DT: Tensor, Trap: Tensor) -> Dict[str, Te
                 shift=DT[..., 0].float() * torch.sigmoid(-Trap[..., 0].float()))
 
 
-def entering_states(parts: List[Dict[str, Tensor]], MIMO_V: Tensor) -> List[State]:
-    """The state entering each slice after the first, in SPEC section 7's form (angle, state
-    [B, H, P, N], k, v), from the slices' summaries in sequence order. The first slice's summary
-    is absolute (its call started from the sequence's initial state); the others' angle, state
-    and k are as if their angle had started at 0, and their state from zero: a slice that
-    starts from (angle0, state0, k0, v0) ends with
+def entering_state(parts: List[Dict[str, Tensor]], MIMO_V: Tensor) -> State:
+    """The state after the slices whose summaries `parts` are, in sequence order, in SPEC
+    section 7's form (angle, state [B, H, P, N], k, v): the state entering the next slice. The
+    first summary is absolute (its call started from the sequence's initial state); the others'
+    angle, state and k are as if their angle had started at 0, and their state from zero: a
+    slice that starts from (angle0, state0, k0, v0) ends with
 
         angle = angle0 + angle_j (mod 2 pi),   k = rot(angle0) k_j,   v = v_j,
         state = exp(decay_j) (state0 + shift_j sum_r k0[r] (x) v0 MIMO_V[r]) + rot(angle0) state_j
@@ -85,18 +85,15 @@ def entering_states(parts: List[Dict[str, Tensor]], MIMO_V: Tensor) -> List[Stat
     (rot on the N pairs; the shifted term of the previous slice's last step enters at step 0)."""
     first = parts[0]
     angle, state, k, v = first["angle"], first["state"], first["k"], first["v"]
-    out = []
     for part in parts[1:]:
-        out.append((angle, state, k, v))
-        psiv = v[:, :, None, :] * MIMO_V[None].float()  # [B, H, R, P]
-        shifted = torch.einsum("brhn,bhrp->bhpn", k, psiv)
-        own = _rotate(part["state"].transpose(1, 2), angle).transpose(1, 2)  # [B, P, H, N] view
+        shifted = shifted_term(k, v, MIMO_V.float())[0].transpose(-1, -2)  # [B, H, P, N]
+        own = _rotate(part["state"].transpose(1, 2), angle).transpose(1, 2)  # via [B, P, H, N]
         state = (torch.exp(part["decay"])[..., None, None]
                  * (state + part["shift"][..., None, None] * shifted) + own)
         k = _rotate(part["k"], angle)
         v = part["v"]
         angle = torch.remainder(angle + part["angle"], 2 * math.pi)
-    return out
+    return angle, state, k, v
 
 
 def _flatten(part: Dict[str, Tensor]) -> Tensor:
@@ -112,10 +109,17 @@ def _unflatten(flat: Tensor, like: Dict[str, Tensor]) -> Dict[str, Tensor]:
     return out
 
 
+# (group, summary sizes) already checked alike on every rank: the check is a collective and a
+# host sync, so it runs on a shape's first call only
+_checked: Set[Tuple[int, Tuple[int, ...]]] = set()
+
+
 def _check_group(group, part: Dict[str, Tensor]) -> None:
     """Every rank's summary has the same shape (a mismatch would hang or corrupt all_gather)."""
-    dims = torch.tensor([p.numel() for p in part.values()], dtype=torch.int64,
-                        device=part["state"].device)
+    sizes = tuple(p.numel() for p in part.values())
+    if (id(group), sizes) in _checked:
+        return
+    dims = torch.tensor(sizes, dtype=torch.int64, device=part["state"].device)
     every = [torch.empty_like(dims) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, dims, group=group)
     for rank, theirs in enumerate(every):
@@ -123,6 +127,7 @@ def _check_group(group, part: Dict[str, Tensor]) -> None:
             raise ValueError(f"context_parallel_group: rank {rank} has B, H, N, P, R or "
                              f"rotary_dim_divisor other than rank {dist.get_rank(group)}'s; "
                              "every rank passes a slice of the same sequences")
+    _checked.add((id(group), sizes))
 
 
 def context_parallel(call: Callable[..., tuple], args: Dict[str, object], group,
@@ -131,16 +136,16 @@ def context_parallel(call: Callable[..., tuple], args: Dict[str, object], group,
     sequence order. `call(initial_state)` runs this rank's slice (the operator's keyword `args`,
     return_state=True) from that state. Returns this rank's output, with its slice's final
     state (the sequence's on the last rank) when return_state."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    init = args.get("initial_state") if rank == 0 else None
-    first = call(init)
+    rank = dist.get_rank(group)
+    first = call(args.get("initial_state") if rank == 0 else None)
     part = summary(first[1:], args["ADT"], args["DT"], args["Trap"])
     _check_group(group, part)
     gathered = _AllGather.apply(_flatten(part), group)
     if rank == 0:
-        result = first
+        # its output depends on no other rank: tied to the all-gather, whose backward every
+        # rank must join
+        result = (_After.apply(first[0], gathered), *first[1:])
     else:
-        parts = [_unflatten(row, part) for row in gathered[:rank + 1]]
-        result = call(entering_states(parts, args["MIMO_V"])[rank - 1])
-    out = _After.apply(result[0], gathered)
-    return (out, *result[1:]) if return_state else out
+        parts = [_unflatten(row, part) for row in gathered[:rank]]
+        result = call(entering_state(parts, args["MIMO_V"]))
+    return result if return_state else result[0]

@@ -183,8 +183,15 @@ def _previous_step(x: dict, pk: Optional[Packing]) -> Tuple[Tensor, Tensor, Tens
     s = DT[0] sigmoid(-Trap[0]) and X = sum_r k0[r] (x) PsiV_prev[r], PsiV_prev[r] =
     v0 MIMO_V[h, r] (SPEC section 7)."""
     s = _first_steps(x["DT"], pk) * torch.sigmoid(-_first_steps(x["Trap"], pk).float())
-    psiv = x["v0"].float()[:, :, None, :] * x["MIMO_V"][None]
-    return s, torch.einsum("brhn,bhrp->bhnp", x["k0"], psiv), psiv
+    return (s, *shifted_term(x["k0"], x["v0"], x["MIMO_V"]))
+
+
+def shifted_term(k0: Tensor, v0: Tensor, MIMO_V: Tensor) -> Tuple[Tensor, Tensor]:
+    """(X [., H, N, P], PsiV_prev [., H, R, P]) of a previous step's k0 [., R, H, N] (rotated)
+    and v0 [., H, P]: X = sum_r k0[r] (x) v0 MIMO_V[h, r], the term a state continued from that
+    step takes at its next step, weighted by DT sigmoid(-Trap) (SPEC section 7)."""
+    psiv = v0.float()[:, :, None, :] * MIMO_V[None]
+    return torch.einsum("brhn,bhrp->bhnp", k0, psiv), psiv
 
 
 def _entering_state(x: dict, pk: Optional[Packing]) -> Optional[Tensor]:

@@ -26,11 +26,7 @@ _placeholders: Dict[torch.device, torch.Tensor] = {}
 
 def placeholder(device: torch.device) -> torch.Tensor:
     """A one-element fp32 tensor, one per device and kept, for pointer arguments that a kernel
-    never follows (absent optional inputs, unused scratch): a call allocates nothing for them.
-    "cuda" and "cuda:<current>" name the same one."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    never follows (absent optional inputs, unused scratch): a call allocates nothing for them."""
     t = _placeholders.get(device)
     if t is None:
         t = _placeholders[device] = torch.empty(1, device=device, dtype=torch.float32)
