@@ -217,14 +217,13 @@ def test_deterministic():
     (dict(fuse_pregate_headwise_rms_norm=True), dict(mimo_out=True)),
 ], ids=["reduced", "per_rank", "norm"])
 def test_operator_in_several_blocks(monkeypatch, op_kw, make_kw):
-    """N and P walked in several blocks (16 pairs of N = 48, 16 of P = 40 columns: 2 and 3
-    blocks), as the official shapes' larger N and P are: every output and gradient against the
-    float64 reference."""
+    """N walked in several blocks (16 pairs of N = 48: 2 blocks), and chunk_grads' P too (16 of
+    P = 40 columns: 3 blocks), as the official shapes' larger N and P are: every output and
+    gradient against the float64 reference."""
     from mamba3_mimo.kernels import chunk_forward, chunk_grads
-    for module in (chunk_forward, chunk_grads):
-        monkeypatch.setattr(module, "BLOCK_PAIRS", 16)
+    monkeypatch.setattr(chunk_forward, "block_pairs", lambda P: 16)
+    monkeypatch.setattr(chunk_grads, "BLOCK_PAIRS", 16)
     monkeypatch.setattr(chunk_grads, "BLOCK_P", 16)
-    monkeypatch.setattr(chunk_forward, "blocks", lambda N: (16, dict(num_warps=4)))
     monkeypatch.setattr(chunk_grads, "STATE_BLOCK_PAIRS", 16)
     args = make_args(B=1, S=10, H=2, G=1, R=2, N=48, P=40, chunk_size=4, **make_kw)
     w = 1 + 0.3 * torch.randn(2, 40, generator=torch.Generator().manual_seed(4),

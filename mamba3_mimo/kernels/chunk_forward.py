@@ -14,7 +14,7 @@ import triton.language as tl
 from ..runtime.device import on_device
 from . import next_pow2
 from .common import chunk_rows, load_cos_sin, load_rotated, mac
-from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block, psiv_block,
+from .whole_chunk import (chunk_pointers, chunk_terms, pair_block, psiv_block,
                           rows_of_steps, state_block)
 
 
@@ -48,27 +48,6 @@ def _step_sums(x, RP: tl.constexpr):
     TPR: tl.constexpr = x.shape[0]
     PP: tl.constexpr = x.shape[1]
     return tl.sum(tl.reshape(x, (TPR // RP, RP, PP)), axis=0)
-
-
-@triton.jit
-def _raw_block(sw, q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off, st_at, v_at, ts,
-               steps, svs, svp, mv_at, d_h, q_decay, R, P, p0, HALF, RD, sqn,
-               BJ: tl.constexpr, BP: tl.constexpr, RP: tl.constexpr, HAS_D: tl.constexpr,
-               PREC: tl.constexpr):
-    """(p, p mask, raw_y [rows, BP]) of the columns p0..p0+BP: (Sc W) PsiV + Q_DECAY Qr
-    states[c] + D PsiV, sw = Sc W."""
-    p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-    ROWS: tl.constexpr = sw.shape[0]
-    acc = tl.zeros([ROWS, BP], dtype=tl.float32)
-    for j0 in range(0, HALF, BJ):
-        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
-                                    j0, HALF, RD, sqn, BJ)
-        st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
-        acc = mac(mac(acc, q1, st1, PREC), q2, st2, PREC)
-    raw = mac(q_decay[:, None] * acc, sw, psiv, PREC)
-    if HAS_D:
-        raw += d_h * psiv
-    return p, pm, raw
 
 
 @triton.jit
@@ -107,12 +86,11 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
                          BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                          HAS_OUT: tl.constexpr, NORM: tl.constexpr, GRAD: tl.constexpr,
                          PREC: tl.constexpr):
-    """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and P
-    in blocks of BP columns. z, dout, out, dy, dz are contiguous over [B, S_pad, ...]: z, dz
-    [.., H, P]; out and dout [.., H, P] with MIMO_Out, [.., R, H, P] without; dy
+    """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and
+    all P columns at once (BP >= P). z, dout, out, dy, dz are contiguous over [B, S_pad, ...]:
+    z, dz [.., H, P]; out and dout [.., H, P] with MIMO_Out, [.., R, H, P] without; dy
     [.., R, H, P] fp32. part_o, part_z [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
-    final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering each chunk). With the
-    norm, a first pass over the P blocks gathers each row's sums, a second writes."""
+    final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering each chunk)."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
     b, h = bh // H, bh % H
@@ -125,79 +103,72 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
     rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
         terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
     st_at = states + (bh * nc + c) * N * P
-    d_h = 0.0
-    if HAS_D:
-        d_h = tl.load(d + h)
-    sw = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
-                      cs_off, HALF, RD, sqn, skn, BJ, PREC) * rows_of_steps(w, RP)
     # [B, S_pad, H, P] per step and [B, S_pad, R, H, P] per row: the chunk's first element
     s_at, s_row = ((b * S_pad + s0) * H + h) * P, ts * H * P
     r_at, r_row = ((b * S_pad + s0) * R * H + h) * P, (t * R + r) * H * P
+    # all P columns at once, so that one walk over N in blocks of BJ pairs gives both the scores
+    # Sc = Qr Kr^T and Qr states[c], and the norm's sums need no second pass
+    p = tl.arange(0, BP)
+    pm = p < P
+    _, _, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, 0, BP, RP)
     ROWS: tl.constexpr = TP * RP
-    rstd = tl.zeros([ROWS], dtype=tl.float32)
-    g_raw = tl.zeros([ROWS], dtype=tl.float32)  # sum_p w g_y raw_y (the norm's backward)
+    sc = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BP], dtype=tl.float32)
+    for j0 in range(0, HALF, BJ):
+        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
+                                    j0, HALF, RD, sqn, BJ)
+        k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn, True)
+        st1, st2 = state_block(st_at, j0, 0, HALF, P, BJ, BP)
+        sc = mac(mac(sc, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
+        acc = mac(mac(acc, q1, st1, PREC), q2, st2, PREC)
+    # raw_y = (Sc W) PsiV + Q_DECAY Qr states[c] + D PsiV
+    raw = mac(q_decay[:, None] * acc, sc * rows_of_steps(w, RP), psiv, PREC)
+    if HAS_D:
+        raw += tl.load(d + h) * psiv
+    zr, zeta, phi, do = _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h, R, P,
+                                      p, pm, steps, rows, TP, RP, HAS_Z, HAS_OUT, GRAD)
+    gate = 1.0
+    if HAS_Z:
+        u = zr * zeta
+        sig = tl.sigmoid(u)
+        gate = u * sig
     if NORM:
-        for p0 in range(0, P, BP):
-            p, pm, raw = _raw_block(sw, q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at,
-                                    cs_off, st_at, v_at, ts, steps, svs, svp, mv_at, d_h,
-                                    q_decay, R, P, p0, HALF, RD, sqn, BJ, BP, RP, HAS_D, PREC)
-            rstd += tl.sum(raw * raw, axis=1)
-            if GRAD:
-                zr, zeta, phi, do = _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at,
-                                                  r_row, h, R, P, p, pm, steps, rows, TP, RP,
-                                                  HAS_Z, HAS_OUT, GRAD)
-                gate = 1.0
-                if HAS_Z:
-                    gate = zr * zeta * tl.sigmoid(zr * zeta)
-                nw = tl.load(norm_w + h * P + p, mask=pm, other=0.0)
-                g_raw += tl.sum(do * phi * gate * nw[None, :] * raw, axis=1)
-        rstd = 1.0 / tl.sqrt(rstd / P + eps)
-    for p0 in range(0, P, BP):
-        p, pm, raw = _raw_block(sw, q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
-                                st_at, v_at, ts, steps, svs, svp, mv_at, d_h, q_decay, R, P, p0,
-                                HALF, RD, sqn, BJ, BP, RP, HAS_D, PREC)
-        zr, zeta, phi, do = _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h,
-                                          R, P, p, pm, steps, rows, TP, RP, HAS_Z, HAS_OUT, GRAD)
-        if NORM:
-            nw = tl.load(norm_w + h * P + p, mask=pm, other=0.0)
-            y = raw * rstd[:, None] * nw[None, :]
+        rstd = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) / P + eps)
+        nw = tl.load(norm_w + h * P + p, mask=pm, other=0.0)
+        y = raw * rstd[:, None] * nw[None, :]
+    else:
+        y = raw
+    tp_ok = steps[:, None] & pm[None, :]
+    rp_ok = rows[:, None] & pm[None, :]
+    if not GRAD:
+        if HAS_OUT:
+            tl.store(out + s_at + s_row[:, None] + p[None, :],
+                     _rank_sums(phi * gate * y, RP).to(out.dtype.element_ty), mask=tp_ok)
         else:
-            y = raw
-        gate = 1.0
+            tl.store(out + r_at + r_row[:, None] + p[None, :],
+                     (gate * y).to(out.dtype.element_ty), mask=rp_ok)
+    else:
+        rk = tl.arange(0, RP)
+        part = (bh * nc + c) * R * P + rk[:, None] * P + p[None, :]
+        rank_ok = (rk < R)[:, None] & pm[None, :]
+        g_y = do * phi * gate  # d loss / d y
+        if HAS_OUT:
+            tl.store(part_o + part, _step_sums(do * gate * y, RP), mask=rank_ok)
         if HAS_Z:
-            u = zr * zeta
-            sig = tl.sigmoid(u)
-            gate = u * sig
-        tp_ok = steps[:, None] & pm[None, :]
-        rp_ok = rows[:, None] & pm[None, :]
-        if not GRAD:
-            if HAS_OUT:
-                tl.store(out + s_at + s_row[:, None] + p[None, :],
-                         _rank_sums(phi * gate * y, RP).to(out.dtype.element_ty), mask=tp_ok)
-            else:
-                tl.store(out + r_at + r_row[:, None] + p[None, :],
-                         (gate * y).to(out.dtype.element_ty), mask=rp_ok)
+            # silu'(u) = sig (1 + u (1 - sig))
+            du = do * phi * y * sig * (1.0 + u * (1.0 - sig))
+            tl.store(part_z + part, _step_sums(du * zr, RP), mask=rank_ok)
+            tl.store(dz + s_at + s_row[:, None] + p[None, :], _rank_sums(du * zeta, RP),
+                     mask=tp_ok)
+        if NORM:
+            tl.store(part_w + (bh * nc + c) * P + p, tl.sum(g_y * raw * rstd[:, None], axis=0),
+                     mask=pm)
+            g_raw = tl.sum(g_y * nw[None, :] * raw, axis=1)  # sum_p w g_y raw_y
+            d_raw = (rstd[:, None] * nw[None, :] * g_y
+                     - raw * (rstd * rstd * rstd * g_raw / P)[:, None])
         else:
-            rk = tl.arange(0, RP)
-            part = (bh * nc + c) * R * P + rk[:, None] * P + p[None, :]
-            rank_ok = (rk < R)[:, None] & pm[None, :]
-            g_y = do * phi * gate  # d loss / d y
-            if HAS_OUT:
-                tl.store(part_o + part, _step_sums(do * gate * y, RP), mask=rank_ok)
-            if HAS_Z:
-                # silu'(u) = sig (1 + u (1 - sig))
-                du = do * phi * y * sig * (1.0 + u * (1.0 - sig))
-                tl.store(part_z + part, _step_sums(du * zr, RP), mask=rank_ok)
-                tl.store(dz + s_at + s_row[:, None] + p[None, :], _rank_sums(du * zeta, RP),
-                         mask=tp_ok)
-            if NORM:
-                tl.store(part_w + (bh * nc + c) * P + p,
-                         tl.sum(g_y * raw * rstd[:, None], axis=0), mask=pm)
-                d_raw = (rstd[:, None] * nw[None, :] * g_y
-                         - raw * (rstd * rstd * rstd * g_raw / P)[:, None])
-            else:
-                d_raw = g_y
-            tl.store(dy + r_at + r_row[:, None] + p[None, :], d_raw, mask=rp_ok)
+            d_raw = g_y
+        tl.store(dy + r_at + r_row[:, None] + p[None, :], d_raw, mask=rp_ok)
     if not GRAD:
         if c == nc - 1:
             # the state after the chunk's last step: past S the inputs are zero-padded (dt = 0,
@@ -211,27 +182,23 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
                 kw1 = tl.trans(k1 * k_decay[:, None])
                 kw2 = tl.trans(k2 * k_decay[:, None])
                 j = j0 + tl.arange(0, BJ)
-                for p0 in range(0, P, BP):
-                    p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-                    st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
-                    jm = (j < HALF)[:, None] & pm[None, :]
-                    fs = fs_at + p[None, :] * N + j[:, None]
-                    tl.store(fs, mac(st1 * decay, kw1, psiv, PREC), mask=jm)
-                    tl.store(fs + HALF, mac(st2 * decay, kw2, psiv, PREC), mask=jm)
+                st1, st2 = state_block(st_at, j0, 0, HALF, P, BJ, BP)
+                jm = (j < HALF)[:, None] & pm[None, :]
+                fs = fs_at + p[None, :] * N + j[:, None]
+                tl.store(fs, mac(st1 * decay, kw1, psiv, PREC), mask=jm)
+                tl.store(fs + HALF, mac(st2 * decay, kw2, psiv, PREC), mask=jm)
 
 
-# Blocks and launch options, measured on the H200 (2026-12-03, forward+backward at
-# N128_P64_R4_C16 and N256_P64_R4_C8, docs/performance.md "The whole operator"): 4 warps
-# rather than 8 took the kernel from 3.38 to 1.89 ms and from 10.07 to 5.29 ms (latency-bound
-# programs: more of them per SM); past N = 128, 32-column P blocks and two stages 3.78 ms.
-BLOCK_PAIRS = 16
+# Launch options, measured on the H200 (2026-12-03, forward+backward, docs/performance.md "The
+# whole operator"): 4 warps and one stage (8 warps took 1.1-2.5x as long); blocks of 32 pairs
+# of N at P <= 64 (N128_P64_R4_C16: 1.37 ms for both calls, 16 pairs 1.54) and 16 above
+# (N64_P128_R4_C16: 2.03 ms, 32 pairs 2.84).
+OPTIONS = dict(num_warps=4, num_stages=1)
 
 
-def blocks(N: int) -> tuple:
-    """(BLOCK_P, launch options) for head dimension N."""
-    if N <= 128:
-        return 64, dict(num_warps=4, num_stages=1)
-    return 32, dict(num_warps=4, num_stages=2)
+def block_pairs(P: int) -> int:
+    """Pairs of N per block for head dimension P (the whole P is one block)."""
+    return 32 if P <= 64 else 16
 
 
 def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms, cos, sin,
@@ -243,7 +210,6 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     qs, ks, vs = q.stride(), k.stride(), v.stride()
-    block_p, options = blocks(N)
     with on_device(q.device):
         chunk_forward_kernel[(B * H * m.nc,)](
             q=q, k=k, v=v, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o,
@@ -253,6 +219,6 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
             nc=m.nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=m.C, N=N, P=P, RD=m.RD,
             eps=float(eps), sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], skb=ks[0],
             sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
-            svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(BLOCK_PAIRS, next_pow2(N // 2))),
-            BP=max(16, min(block_p, next_pow2(P))), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
-            NORM=norm, GRAD=grad, PREC=m.PREC, **options)
+            svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(block_pairs(P), next_pow2(N // 2))),
+            BP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
+            NORM=norm, GRAD=grad, PREC=m.PREC, **OPTIONS)
