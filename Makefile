@@ -19,20 +19,22 @@ venv: $(VENV_STAMP)
 $(VENV)/.installed: pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==$(TORCH_VERSION)
-	$(PIP) install -e ".[clients]" pytest "numpy<2.4" triton==3.6.0
+	$(PIP) install -e ".[clients]" pytest pytest-xdist "numpy<2.4" triton==3.6.0
 	touch $@
 
 demo: venv
 	$(PYTHON) -m mamba3_mimo demo
 
-# Without CUDA the Triton kernels run through the interpreter.
+# Without CUDA the Triton kernels run through the interpreter, one pytest process per core
+# (pytest-xdist: the interpreter is not thread-safe, processes are independent); with CUDA in
+# one process, so that the GPU tests do not share the device.
 test: venv
 	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		echo "CUDA found: running the kernels compiled"; \
 		$(PYTHON) -m pytest -q tests; \
 	else \
 		echo "no CUDA: running the kernels through the Triton interpreter (TRITON_INTERPRET=1)"; \
-		TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests; \
+		TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -n auto tests; \
 	fi
 
 bench: venv
