@@ -1,5 +1,5 @@
-"""The whole operator's output per chunk, first form (whole chunks, all N and P columns per
-program; not yet tuned): raw_y = (Qr Kr^T * W) PsiV + exp(da_cs) Qr states[c] + D PsiV, then
+"""The whole operator's output per chunk (one program per chunk, all P columns at once, N in
+blocks of pairs): raw_y = (Qr Kr^T * W) PsiV + exp(da_cs) Qr states[c] + D PsiV, then
 the output stage of SPEC section 6: the optional pre-gate headwise RMSNorm
 y = raw_y rsqrt(mean_p raw_y^2 + eps) w[h], the gate silu(z Zeta) (1 without Z), and the
 reduction over ranks with MIMO_Out (none without it: a per-rank output).
