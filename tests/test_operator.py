@@ -4,8 +4,12 @@ input, on small odd shapes (GQA, R = 3, N = 12, P = 10, S not a multiple of chun
 divisor 2), with and without Z, D, MIMO_Out, the fused norm (weight given, None, flattened),
 in fp32, bf16 and fp16 (through the interpreter, the dots' operands are fp32 whatever the
 input dtype; the GPU runs them at the kernels' precision)."""
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from conftest import DEVICE, requires_gpu, seed_for
 from test_reference_operator import INPUT_NAMES, make_args
@@ -413,3 +417,64 @@ def test_sparse_input_is_refused():
     a["Q"] = a["Q"].detach().to_sparse()
     with pytest.raises(TypeError, match="Q must be a dense"):
         mamba3_mimo(**a)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that the ops run under it create and that are still alive
+    (`current`), and their high-water mark (`peak`). Storages it has not seen created (the
+    inputs, given to `known`) are not counted when an op returns a view of them."""
+
+    def __init__(self, known=()):
+        super().__init__()
+        self.current = self.peak = 0
+        self._seen = {t.untyped_storage().data_ptr() for t in known}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size and key not in self._seen:
+                    self._seen.add(key)
+                    self.current += size
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._freed, key, size)
+        return out
+
+    def _freed(self, key, size):
+        self._seen.discard(key)
+        self.current -= size
+
+
+def test_backward_peak_is_phase_2(monkeypatch):
+    """The backward releases the states, their gradients and dy (the largest buffers) as soon
+    as phase 2 is done: nothing it allocates afterwards (the reductions, the casts of the
+    inputs' gradients) raises the memory in use above the high-water mark of phase 2 and what
+    came before it. The kernels are not run (the buffers' lifetimes are the host's; the
+    interpreter's launches hold their arguments in reference cycles until a collection)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    from mamba3_mimo.kernels import chunk_grads
+    from mamba3_mimo.runtime import launcher
+    for cls in (JITFunction, InterpretedFunction):
+        monkeypatch.setattr(cls, "run", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(launcher, "DIRECT", False)  # every launch through run
+    args = make_args(B=1, S=32, H=2, G=1, R=2, N=64, P=64, chunk_size=8)  # N, P as official
+    ours, _ = _leaves(args, torch.float32, DEVICE, None)
+    leaves = [t for t in ours.values() if isinstance(t, torch.Tensor)]
+    at_phase_2 = []
+    raw_y_grads = chunk_grads.raw_y_grads
+
+    def spy(**kw):
+        out = raw_y_grads(**kw)
+        at_phase_2.append(live.peak)
+        return out
+
+    monkeypatch.setattr(chunk_grads, "raw_y_grads", spy)
+    live = _LiveBytes(known=leaves)
+    with live:
+        out = mamba3_mimo(**ours)
+        out.backward(torch.ones_like(out))
+    assert len(at_phase_2) == 1
+    assert live.peak <= at_phase_2[0], (live.peak, at_phase_2[0])

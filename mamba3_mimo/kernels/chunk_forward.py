@@ -88,8 +88,8 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
                          PREC: tl.constexpr):
     """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and
     all P columns at once (BP >= P). z, dout, out, dy, dz are contiguous over [B, S_pad, ...]:
-    z, dz [.., H, P]; out and dout [.., H, P] with MIMO_Out, [.., R, H, P] without; dy
-    [.., R, H, P] fp32. part_o, part_z [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
+    z, dz [.., H, P] (dz in any float dtype, each element rounded once); out and dout
+    [.., H, P] with MIMO_Out, [.., R, H, P] without; dy [.., R, H, P] fp32. part_o, part_z [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
     final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering each chunk)."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
@@ -158,8 +158,8 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
             # silu'(u) = sig (1 + u (1 - sig))
             du = do * phi * y * sig * (1.0 + u * (1.0 - sig))
             tl.store(part_z + part, _step_sums(du * zr, RP), mask=rank_ok)
-            tl.store(dz + s_at + s_row[:, None] + p[None, :], _rank_sums(du * zeta, RP),
-                     mask=tp_ok)
+            tl.store(dz + s_at + s_row[:, None] + p[None, :],
+                     _rank_sums(du * zeta, RP).to(dz.dtype.element_ty), mask=tp_ok)
         if NORM:
             tl.store(part_w + (bh * nc + c) * P + p, tl.sum(g_y * raw * rstd[:, None], axis=0),
                      mask=pm)

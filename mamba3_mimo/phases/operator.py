@@ -420,6 +420,10 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     stand = placeholder(dev)
     # the gradients of the final angle, state, k and v (None where unused)
     d_angle_end, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
+    # of the running angles only the last step's is read below (the kernels read cos and sin)
+    angles = c.pop("angles")
+    angle = None if d_k is None else _last_rows(angles, pk, L).clone()
+    del angles
     if pk is None:
         dout = _pad_steps(d_out.contiguous(), 1, S_pad)
         d_final, d_ends = None if d_state is None else d_state.transpose(-1, -2), None
@@ -429,13 +433,24 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
                   else d_state.transpose(-1, -2).contiguous())
         d_final = d_ends[-1:]  # the last sequence's, where the reverse scan starts
     dy = torch.empty(B, S_pad, R, H, P, **f32)
-    dz = torch.empty(B, S_pad, H, P, **f32) if pb.has_z else stand
+    # dZ in Z's dtype: the kernel rounds each element once, as the cast at the end would
+    dz = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype) if pb.has_z else stand
     part_o = torch.empty(B * H, nc, R, P, **f32) if x["MIMO_Out"] is not None else stand
     part_z = torch.empty(B * H, nc, R, P, **f32) if pb.has_z else stand
     part_w = torch.empty(B * H, nc, P, **f32) if x["fuse_norm"] else stand
     chunk_forward.launch(**_output_args(lpb, xl, c), dout=dout, out=stand, dy=dy, dz=dz,
                          part_o=part_o, part_z=part_z, part_w=part_w, final_state=stand,
                          grad=True)
+    # the output stage's per-chunk partial sums reduced now, before phase 2's buffers exist
+    grads = {}
+    if pb.has_z:
+        grads["MIMO_Z"] = part_z.view(B, H, nc, R, P).sum((0, 2))
+    if x["MIMO_Out"] is not None:
+        grads["MIMO_Out"] = part_o.view(B, H, nc, R, P).sum((0, 2))
+    if x["fuse_norm"] and x["norm_weight"] is not None:
+        grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
+            x["norm_weight"].shape)
+    del part_o, part_z, part_w
     g = chunk_grads.raw_y_grads(
         q=c["Q"], k=c["K"], v=c["V"], q_bias=c["Q_bias"], k_bias=c["K_bias"],
         mimo_v=c["MIMO_V"], d=stand if x["D"] is None else x["D"].contiguous(),
@@ -443,13 +458,21 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         da_cs_rev=c["da_cs_rev"], segsum=c["segsum"], dy=dy, states=c["states"],
         d_final_state=d_final, consts=m, precision=m.PREC,
         bounds=None if pk is None else pk.chunk_bounds, d_ends=d_ends)
+    # the largest buffers (the states, their gradients and dy: 640 MiB at N128_P64_R4_C16) are
+    # dropped here, before the reductions and casts below allocate the inputs' gradients; of
+    # the states' gradients only those entering each sequence's first chunk are kept
+    dstates = g.pop("dstates")
+    d_entering = None
+    if x["state0"] is not None:
+        d_entering = (dstates[:, :, 0].clone() if pk is None else
+                      dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
+    del dstates, dy, dout, c
     # views of this call's own buffers: the final states' gradients are added in place
     dK, d_angles = g["dk"][:, :L], g["d_angles"][:, :L]
     if d_k is not None:
         # final_k = rot(K + K_bias) at the last step, per value head: its gradient rotated back
         # joins dK (summed over a group's heads) and K_bias's; the angle's share as in
         # chunk_grads
-        angle = _last_rows(c["angles"], pk, L)
         kr, d_k = _final_k(pb, _last_rows(xl["K"], pk, L), x["K_bias"], angle), d_k.float()
         back = _rotate(d_k, angle, inverse=True)
         _add_last_rows(dK, back.view(-1, R, G, H // G, N).sum(3), pk, L)
@@ -468,27 +491,19 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if d_v is not None:
         _add_last_rows(dV, d_v, pk, L)
     k_bias = g["part_kb"].sum((0, 1))
-    grads = dict(
+    grads.update(
         Q=g["dq"][:, :L], K=dK, V=dV, ADT=g["d_adt"][..., :L], DT=d_dt, Trap=d_trap,
         Q_bias=g["part_qb"].sum((0, 1)), K_bias=k_bias if d_k is None else k_bias + d_k_bias,
         MIMO_V=g["part_psi"].view(B, H, nc, R, P).sum((0, 2)),
         Angles=d_raw_angles)
     if pb.has_z:
         grads["Z"] = dz[:, :L]
-        grads["MIMO_Z"] = part_z.view(B, H, nc, R, P).sum((0, 2))
     elif x["MIMO_Z"] is not None:  # given without Z: unused
         grads["MIMO_Z"] = torch.zeros_like(x["MIMO_Z"])
-    if x["MIMO_Out"] is not None:
-        grads["MIMO_Out"] = part_o.view(B, H, nc, R, P).sum((0, 2))
     if pb.has_d:
         grads["D"] = g["part_d"].view(B, H, nc).sum((0, 2))
-    if x["fuse_norm"] and x["norm_weight"] is not None:
-        grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
-            x["norm_weight"].shape)
-    if x["state0"] is not None:
+    if d_entering is not None:
         # the reverse scan's gradient of the state entering each sequence's first chunk
-        d_entering = (g["dstates"][:, :, 0] if pk is None else
-                      g["dstates"][0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
         _initial_state_grads(xl, pk, d_entering, d_angle0, grads)
     if pk is not None:  # back from the packed layout to the given steps
         for name, dim in SEQ_DIM.items():
