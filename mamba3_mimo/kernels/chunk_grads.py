@@ -150,9 +150,42 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
             dp = mac(dp, d_y, tl.trans(psiv), PREC)
         sdp = steps_of_rows(sc * dp, RP)  # sum over the ranks of Sc * dP, per pair of steps
         w_rows = rows_of_steps(w, RP)
-        m = dp * w_rows
         sw = sc * w_rows
-        # N blocks: dQr, dKr (rotated back) and the angles' gradient; the inter-chunk sums
+        # P blocks: dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY, into dV, dPsi and dD
+        v_base = ((b * S_pad + s0) * H + h) * P  # the chunk's first step of dv
+        d_sum = 0.0  # sum dY . PsiV: the chunk's share of dD
+        for p0 in range(0, P, BP):
+            p = p0 + tl.arange(0, BP)
+            pm = p < P
+            d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                          other=0.0)
+            acc = tl.zeros([ROWS, BP], dtype=tl.float32)
+            for j0 in range(0, HALF, BJ):
+                cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
+                k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
+                                      True)
+                ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+                acc = mac(mac(acc, k1, ds1, PREC), k2, ds2, PREC)
+            dpv = mac(k_decay[:, None] * acc, tl.trans(sw), d_y, PREC)
+            if HAS_D:
+                dpv += tl.load(d + h) * d_y
+            # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
+            mv = load_mimo_v(mv_at, R, p, pm, P, RP)
+            xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
+                         mask=steps[:, None] & pm[None, :], other=0.0).to(tl.float32)
+            dpv3 = tl.reshape(dpv, (TP, RP, BP))
+            tl.store(dv + v_base + ts[:, None] * H * P + p[None, :], tl.sum(dpv3 * mv[None], axis=1),
+                     mask=steps[:, None] & pm[None, :])
+            rk = tl.arange(0, RP)
+            tl.store(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
+                     tl.sum(dpv3 * xv[:, None, :], axis=0), mask=(rk < R)[:, None] & pm[None, :])
+            if HAS_D:
+                d_sum += tl.sum(tl.sum(d_y * psi_v_rows(xv, mv), axis=1), axis=0)
+        if HAS_D:
+            tl.store(part_d + bh * nc + c, d_sum)
+        m = dp * w_rows
+        # N blocks (after the P blocks, so that Sc W is dead and only dP W is held across
+        # them): dQr, dKr (rotated back) and the angles' gradient; the inter-chunk sums
         d_cs_rows = tl.zeros([ROWS], dtype=tl.float32)
         inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)
         carried = 0.0  # <dstates[c + 1], states[c]>
@@ -201,38 +234,6 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
             d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
             tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
                      mask=steps[:, None] & (j < RD)[None, :])
-        # P blocks: dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY, into dV, dPsi and dD
-        v_base = ((b * S_pad + s0) * H + h) * P  # the chunk's first step of dv
-        d_sum = 0.0  # sum dY . PsiV: the chunk's share of dD
-        for p0 in range(0, P, BP):
-            p = p0 + tl.arange(0, BP)
-            pm = p < P
-            d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                          other=0.0)
-            acc = tl.zeros([ROWS, BP], dtype=tl.float32)
-            for j0 in range(0, HALF, BJ):
-                cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
-                k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
-                                      True)
-                ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
-                acc = mac(mac(acc, k1, ds1, PREC), k2, ds2, PREC)
-            dpv = mac(k_decay[:, None] * acc, tl.trans(sw), d_y, PREC)
-            if HAS_D:
-                dpv += tl.load(d + h) * d_y
-            # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
-            mv = load_mimo_v(mv_at, R, p, pm, P, RP)
-            xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
-                         mask=steps[:, None] & pm[None, :], other=0.0).to(tl.float32)
-            dpv3 = tl.reshape(dpv, (TP, RP, BP))
-            tl.store(dv + v_base + ts[:, None] * H * P + p[None, :], tl.sum(dpv3 * mv[None], axis=1),
-                     mask=steps[:, None] & pm[None, :])
-            rk = tl.arange(0, RP)
-            tl.store(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
-                     tl.sum(dpv3 * xv[:, None, :], axis=0), mask=(rk < R)[:, None] & pm[None, :])
-            if HAS_D:
-                d_sum += tl.sum(tl.sum(d_y * psi_v_rows(xv, mv), axis=1), axis=0)
-        if HAS_D:
-            tl.store(part_d + bh * nc + c, d_sum)
         # per-step gradients: gamma, trap_scale and ADT through the decay pieces
         rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
         diag = (ts[None, :] == ts[:, None]) & steps[:, None]
