@@ -19,6 +19,8 @@ form for correctness, not yet tuned):
 
 Rows are (step, rank) pairs as in chunk_output (row = t * RP + r).
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -259,14 +261,37 @@ def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_c
         tl.debug_barrier()
 
 
-# Blocks and launch options, measured on the H200 (2026-12-03, forward+backward at
-# N128_P64_R4_C16 and N256_P64_R4_C8, docs/performance.md "The whole operator"): chunk_grads
-# at 4 warps and two stages took 4.22 and 9.32 ms where 8 warps and one stage took 5.49 and
-# 19.95 (latency-bound programs: more of them per SM, loads ahead of use); the reverse scan
-# keeps 8 warps, one stage and 64-pair blocks (0.66 and 1.84 ms; 16- and 32-pair blocks and
-# two stages were slower).
-BLOCK_PAIRS, BLOCK_P, STATE_BLOCK_PAIRS = 16, 32, 64
-OPTIONS = dict(num_warps=4, num_stages=2)
+@dataclass(frozen=True)
+class GradsConfig:
+    """chunk_grads' blocks of BJ pairs of N and BP columns of P and its pipeline stages; the
+    reverse scan's blocks of STATE_BJ pairs and STATE_BP columns."""
+    BJ: int
+    BP: int
+    num_stages: int
+    STATE_BJ: int = 64
+    STATE_BP: int = 32
+
+
+# Measured on the H200 (2026-12-03, commit 9488e56, kernel time per forward+backward,
+# docs/performance.md "Phase 2's blocks"), ms: chunk_grads at N16_P64_R4_C8 1.53 with 16 pairs
+# x 32 columns and two stages, 1.32 with 64 columns; at N128_P64_R4_C16 4.13, 3.90 with 32 pairs
+# and one stage (4.50 with 64 columns); at N64_P128_R4_C16 3.44, 3.15 with 32 pairs and one
+# stage; at N256_P64_R4_C8 10.16, 9.05 with 64 columns (11.77 with 32 pairs and one stage). The
+# reverse scan took 1.80 -> 1.22 ms at N256 and 1.29 -> 0.82 at P = 128 with 64 columns, 0.63 ->
+# 0.75 at N128_P64. 4 warps throughout (8 warps took 1.3-2x as long); register caps of 128 and
+# 168 took 1.3-1.6x as long (spills).
+OPTIONS = dict(num_warps=4)
+STATE_OPTIONS = dict(num_warps=8, num_stages=1)
+
+
+def config(N: int, P: int) -> GradsConfig:
+    """The blocks and stages of phase 2's kernels for state size N and head dimension P."""
+    state_bp = 64 if N >= 256 or P >= 128 else 32
+    if 64 <= N <= 128:
+        return GradsConfig(BJ=32, BP=32, num_stages=1, STATE_BP=state_bp)
+    return GradsConfig(BJ=16, BP=64, num_stages=2, STATE_BP=state_bp)
+
+
 # Heads of a group per chunk_grads program (None: the whole group, one program per (b*g,
 # chunk) that walks its heads in turn). Fewer heads per program run the blocks side by side,
 # each into its own plane of dq and dk, which a fixed-order sum then adds. Measured on the H200
@@ -274,7 +299,6 @@ OPTIONS = dict(num_warps=4, num_stages=2)
 # 1.02x as long at N128_P64_R4_C16 and 0.97x, 0.93x, 0.84x at N256_P64_R4_C8, for 63-447 MiB
 # (N128) and 95-863 MiB (N256) more peak memory: the whole group is kept.
 HEADS_PER_PROGRAM = None
-STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
@@ -317,21 +341,23 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
                d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates)
     # every dot dimension at least 16 (m.TP * m.RP already is)
     TP, RP = m.TP, m.RP
-    BJ, BP = max(16, min(BLOCK_PAIRS, next_pow2(N // 2))), max(16, min(BLOCK_P, next_pow2(P)))
+    cfg = config(N, P)
+    BJ, BP = max(16, min(cfg.BJ, next_pow2(N // 2))), max(16, min(cfg.BP, next_pow2(P)))
+    SBJ = max(16, min(cfg.STATE_BJ, next_pow2(N // 2)))
+    SBP = max(16, min(cfg.STATE_BP, next_pow2(P)))
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
                   N=N, P=P, RD=m.RD, sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
-                  TP=TP, RP=RP, BJ=BJ, BP=BP, PREC=precision)
+                  TP=TP, RP=RP, PREC=precision)
     tables = dict(terms=terms, cos=cos, sin=sin)
     with on_device(dev):
-        SBJ = max(16, min(STATE_BLOCK_PAIRS, next_pow2(N // 2)))
         chains = B * H if bounds is None else (bounds.numel() - 1) * H
-        state_grad_kernel[(chains, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, BP))](
+        state_grad_kernel[(chains, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, SBP))](
             q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, **tables,
             bounds=dstates if bounds is None else bounds,
             d_final=dstates if bounds is None else d_ends,
             VARLEN=bounds is not None,
-            n_bh=B * H, **dict(common, BJ=SBJ), **STATE_OPTIONS)
+            n_bh=B * H, BJ=SBJ, BP=SBP, **common, **STATE_OPTIONS)
         chunk_grads_kernel[(B * G * n_hb * nc,)](
             q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,
             da_cs_rev=da_cs_rev, segsum=segsum, dy=dy, states=states, dstates=dstates,
@@ -340,7 +366,8 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
             dv=out["dv"], part_psi=out["part_psi"], part_d=out["part_d"], d_angles=out["d_angles"],
             d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"], d_adt=out["d_adt"],
             skb=ks[0], sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1],
-            svh=vs[2], svp=vs[3], n_bg=B * G, G=G, HAS_D=m.HAS_D, **tables, **common, **OPTIONS)
+            svh=vs[2], svp=vs[3], n_bg=B * G, G=G, HAS_D=m.HAS_D, BJ=BJ, BP=BP, **tables,
+            **common, num_stages=cfg.num_stages, **OPTIONS)
     if n_hb > 1:  # the head blocks' planes added in a fixed order: deterministic
         out["dq"], out["dk"] = planes["dq"].sum(0), planes["dk"].sum(0)
     return out
