@@ -44,9 +44,11 @@ def label(case: dict) -> str:
     return case["shape"].name + (" + fused norm" if case["norm"] else "")
 
 
-def _call(shape: Shape, z: bool, norm: bool):
-    """(forward, forward+backward, the leaves) of one case on the GPU."""
-    args = operator_inputs(shape, torch.bfloat16, z_gate=z, device="cuda", seed=0)
+def operator_case(shape: Shape, z: bool, norm: bool = False, device="cuda", seed: int = 0):
+    """(forward, forward+backward, the leaves) of one case: `mamba3_mimo` on bf16 inputs of
+    `shape` (inputs.operator_inputs, every tensor a leaf that requires grad), the Z gate on or
+    off, the fused norm with a weight of ones or not, and a random output gradient."""
+    args = operator_inputs(shape, torch.bfloat16, z_gate=z, device=device, seed=seed)
     leaves = []
     for name, x in args.items():
         if isinstance(x, torch.Tensor):
@@ -54,10 +56,12 @@ def _call(shape: Shape, z: bool, norm: bool):
             leaves.append(x)
     if norm:
         args["fuse_pregate_headwise_rms_norm"] = True
-        args["outproj_norm_weight"] = torch.ones(shape.H, shape.P, device="cuda",
+        args["outproj_norm_weight"] = torch.ones(shape.H, shape.P, device=device,
                                                  requires_grad=True)
         leaves.append(args["outproj_norm_weight"])
-    dout = torch.randn(shape.B, shape.S, shape.H, shape.P, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    dout = torch.randn(shape.B, shape.S, shape.H, shape.P, generator=gen).to(device,
+                                                                                torch.bfloat16)
 
     def fwd():
         return mamba3_mimo(**args)
@@ -72,7 +76,7 @@ def run_case(case: dict, rounds: int, rep_ms: int, upstream: Dict[tuple, dict], 
     from triton.testing import do_bench
     shape, z, norm = case["shape"], case["z"], case["norm"]
     errors: Dict[str, str] = {}
-    fwd, fwd_bwd, leaves = _call(shape, z, norm)
+    fwd, fwd_bwd, leaves = operator_case(shape, z, norm)
     row = dict(shape=shape.name, label=label(case), z=z, fused_norm=norm, B=shape.B, S=shape.S,
                H=shape.H, G=shape.G, N=shape.N, P=shape.P, R=shape.R, C=shape.C)
     bar.set_description(f"{label(case)} Z {'on' if z else 'off'}: first call")

@@ -6,6 +6,11 @@ of each launched kernel, the configs the rules prefer under the variant (in ab.j
 (first round only) the errors against the float64 golden on the test sweep's shapes
 (inputs.sweep_shapes; bf16 inputs, Z and D on, fp32 outputs).
 
+AB_TARGET=operator in the environment times the whole operator instead: `mamba3_mimo(...)`'s
+forward and backward as a user calls them (bench_operator.operator_case), each kernel's device
+time per forward+backward, and (first round) the error of its output and of every input's
+gradient against the float64 reference operator on the sweep's shapes (bf16 inputs, Z and D on).
+
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
 (filter "" = every official shape; "none" = none, e.g. for the error sweep alone.) The first
 variant is the baseline. Writes $OUT/ab.json and prints the comparison table. The timed calls
@@ -19,6 +24,8 @@ VARIANTS_JSON: a list of objects with a "name" and any of
   problem, the fallbacks staying (e.g. {"BP": 64}); "state_min" / "output_min": entries of it
   raised to a lower bound (e.g. {"BP": 32}); "tile_chunks" (int), "scan_sync" (bool),
   "measured_arch" (bool), "smem_limit" (bytes);
+- "grads_cfg": entries that replace those of phase 2's blocks (kernels.chunk_grads.config, a
+  GradsConfig) for every problem, e.g. {"BJ": 32, "num_stages": 1} (AB_TARGET=operator);
 - "direct": false sends every production launch through Triton's JITFunction.run instead of
   the launcher's direct launches (runtime.launcher.DIRECT), e.g.
   [{"name": "triton", "direct": false}, {"name": "direct"}];
@@ -45,7 +52,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # the fields of configs.override taken as they are, and those built from config fields
 SCALAR_RULES = ("tile_chunks", "scan_sync", "measured_arch", "smem_limit")
 LIST_RULES = ("state", "output")
-KEYS = ({"name", "direct", "check", "patch"} | set(SCALAR_RULES) | set(LIST_RULES)
+KEYS = ({"name", "direct", "check", "patch", "grads_cfg"} | set(SCALAR_RULES) | set(LIST_RULES)
         | {f"{k}_{s}" for k in LIST_RULES for s in ("cfg", "min")})
 
 
@@ -126,11 +133,46 @@ def launched_kernels() -> list:
     return log
 
 
+def grads_rule(variant: dict) -> None:
+    """Replace phase 2's blocks rule by the variant's "grads_cfg" entries over it (this process
+    only: each variant runs in its own)."""
+    import dataclasses
+    from mamba3_mimo.kernels import chunk_grads
+    if "grads_cfg" in variant:
+        rule = chunk_grads.config
+        chunk_grads.config = lambda N, P: dataclasses.replace(rule(N, P), **variant["grads_cfg"])
+
+
+def operator_errors(shape, dev: str) -> dict:
+    """Relative RMS error of the operator's output and of every input's gradient against the
+    float64 reference operator on the same inputs (bf16, Z and D on) and output gradient."""
+    import torch
+    from mamba3_mimo import mamba3_mimo
+    from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo.reference import mamba3_mimo_reference
+    from mamba3_mimo.testing import rel_rms
+    args = operator_inputs(shape, torch.bfloat16, device=dev, seed=7)
+    names = [k for k, x in args.items() if isinstance(x, torch.Tensor)]
+    ref = dict(args, dtype=torch.float64)
+    for k in names:
+        ref[k] = args[k].detach().double().cpu().requires_grad_(True)
+        args[k].requires_grad_(True)
+    out = mamba3_mimo(**args)
+    gold = mamba3_mimo_reference(**ref)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(out.dtype)
+    out.backward(dout.to(dev))
+    gold.backward(dout.double())
+    errs = {"out": rel_rms(out.detach().cpu(), gold.detach())}
+    errs.update({f"d{k}": rel_rms(args[k].grad.cpu(), ref[k].grad) for k in names})
+    return errs
+
+
 def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     """Time one variant in this process; with `check`, also its errors on the sweep."""
     import torch
     from mamba3_mimo import configs, mamba3_mimo_bwd_fwd
     from mamba3_mimo.bench import kernel_ms, problem_of
+    from mamba3_mimo.bench_operator import operator_case
     from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, sweep_shapes
     from mamba3_mimo.reference import bwd_fwd_reference
     from mamba3_mimo.runtime import launcher
@@ -144,19 +186,28 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     log = launched_kernels() if gpu else []
     res = dict(name=variant["name"], times={}, device={}, kernels={}, plans={},
                worst_err_over_thr=0.0, errors={})
+    operator = os.environ.get("AB_TARGET", "bwd_fwd") == "operator"
+    z_gate = os.environ.get("AB_Z", "1") != "0"
+    grads_rule(variant)
     shapes = [] if shape_filter == "none" else [s for s in official_shapes()
                                                 if shape_filter in s.name]
     for s in shapes:
         run_shape = s if gpu else Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)
-        a = make_inputs(run_shape, torch.bfloat16, os.environ.get("AB_Z", "1") != "0",
-                        device=dev, seed=1)
+        a = make_inputs(run_shape, torch.bfloat16, z_gate, device=dev, seed=1)
         a.pop("adt")
         a["output_dtype"] = torch.bfloat16
-
-        def call(a=a):
-            return mamba3_mimo_bwd_fwd(**a)
-
         pb = problem_of(a)
+        if operator:
+            _, fwd_bwd, leaves = operator_case(run_shape, z_gate, device=dev, seed=1)
+
+            def call(fwd_bwd=fwd_bwd, leaves=leaves):
+                for x in leaves:
+                    x.grad = None
+                fwd_bwd()
+        else:
+            def call(a=a):
+                return mamba3_mimo_bwd_fwd(**a)
+
         with configs.override(**rules(variant, pb)):
             res["plans"][s.name] = configs.preferred(pb).describe()
             log.clear()
@@ -175,13 +226,19 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
                 call()
                 res["times"][s.name] = (time.perf_counter() - t0) * 1e3
     for s in sweep_shapes() if check else []:
+        key = f"{s.name}_S{s.S}_G{s.G}_rdd{s.rotary_dim_divisor}"
+        if operator:
+            res["errors"][key] = errs = operator_errors(s, dev)
+            res["worst_err_over_thr"] = max(res["worst_err_over_thr"],
+                                            max(errs.values()) / THRESHOLDS[torch.bfloat16])
+            continue
         a = make_inputs(s, torch.bfloat16, device=dev, seed=7)
         a.pop("adt")
         golden = bwd_fwd_reference(**a)
         with configs.override(**rules(variant, problem_of(a))):
             outs = mamba3_mimo_bwd_fwd(**a)
         errs = {n: rel_rms(x, g) for n, x, g in zip(OUTPUTS, outs, golden)}
-        res["errors"][f"{s.name}_S{s.S}_G{s.G}_rdd{s.rotary_dim_divisor}"] = errs
+        res["errors"][key] = errs
         res["worst_err_over_thr"] = max(res["worst_err_over_thr"],
                                         max(errs.values()) / THRESHOLDS[torch.bfloat16])
     return res

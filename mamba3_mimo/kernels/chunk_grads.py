@@ -273,7 +273,7 @@ class GradsConfig:
 
 
 # Measured on the H200 (2026-12-03, commit 9488e56, kernel time per forward+backward,
-# docs/performance.md "Phase 2's blocks"), ms: chunk_grads at N16_P64_R4_C8 1.53 with 16 pairs
+# docs/performance.md "The whole operator"), ms: chunk_grads at N16_P64_R4_C8 1.53 with 16 pairs
 # x 32 columns and two stages, 1.32 with 64 columns; at N128_P64_R4_C16 4.13, 3.90 with 32 pairs
 # and one stage (4.50 with 64 columns); at N64_P128_R4_C16 3.44, 3.15 with 32 pairs and one
 # stage; at N256_P64_R4_C8 10.16, 9.05 with 64 columns (11.77 with 32 pairs and one stage). The
