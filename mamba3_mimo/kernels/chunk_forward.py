@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..runtime.device import on_device
+from ..runtime.launcher import Launch
 from . import next_pow2
 from .common import chunk_rows, load_cos_sin, load_rotated, mac
 from .whole_chunk import (chunk_pointers, chunk_terms, pair_block, psiv_block,
@@ -211,7 +212,7 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
     H, P = v.shape[2], v.shape[3]
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     with on_device(q.device):
-        chunk_forward_kernel[(B * H * m.nc,)](
+        Launch(chunk_forward_kernel, (B * H * m.nc,), dict(
             q=q, k=k, v=v, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o,
             mimo_z=mimo_z, d=d, norm_w=norm_w, terms=terms, cos=cos, sin=sin, da_cs=da_cs,
             segsum=segsum, states=states, dout=dout, out=out, dy=dy, dz=dz, part_o=part_o,
@@ -221,4 +222,4 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
             sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
             svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(block_pairs(P), next_pow2(N // 2))),
             BP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
-            NORM=norm, GRAD=grad, PREC=m.PREC, **OPTIONS)
+            NORM=norm, GRAD=grad, PREC=m.PREC), OPTIONS).run()

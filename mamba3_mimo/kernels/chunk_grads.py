@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..runtime.device import on_device
+from ..runtime.launcher import Launch
 from . import next_pow2
 from .common import chain, chunk_rows, load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows
 from .step_terms import Q_DECAY
@@ -352,13 +353,14 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     tables = dict(terms=terms, cos=cos, sin=sin)
     with on_device(dev):
         chains = B * H if bounds is None else (bounds.numel() - 1) * H
-        state_grad_kernel[(chains, triton.cdiv(N // 2, SBJ) * triton.cdiv(P, SBP))](
+        blocks = triton.cdiv(N // 2, SBJ) * triton.cdiv(P, SBP)
+        Launch(state_grad_kernel, (chains, blocks), dict(
             q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, **tables,
             bounds=dstates if bounds is None else bounds,
             d_final=dstates if bounds is None else d_ends,
             VARLEN=bounds is not None,
-            n_bh=B * H, BJ=SBJ, BP=SBP, **common, **STATE_OPTIONS)
-        chunk_grads_kernel[(B * G * n_hb * nc,)](
+            n_bh=B * H, BJ=SBJ, BP=SBP, **common), STATE_OPTIONS).run()
+        Launch(chunk_grads_kernel, (B * G * n_hb * nc,), dict(
             q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,
             da_cs_rev=da_cs_rev, segsum=segsum, dy=dy, states=states, dstates=dstates,
             dq=planes["dq"], dk=planes["dk"], HPB=HPB, n_hb=n_hb,
@@ -367,7 +369,7 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
             d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"], d_adt=out["d_adt"],
             skb=ks[0], sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1],
             svh=vs[2], svp=vs[3], n_bg=B * G, G=G, HAS_D=m.HAS_D, BJ=BJ, BP=BP, **tables,
-            **common, num_stages=cfg.num_stages, **OPTIONS)
+            **common), dict(OPTIONS, num_stages=cfg.num_stages)).run()
     if n_hb > 1:  # the head blocks' planes added in a fixed order: deterministic
         out["dq"], out["dk"] = planes["dq"].sum(0), planes["dk"].sum(0)
     return out

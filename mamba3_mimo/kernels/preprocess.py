@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..runtime.device import on_device
+from ..runtime.launcher import Launch
 from . import cdiv, next_pow2
 from .common import tanh
 
@@ -192,14 +193,14 @@ def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0, block
     ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
     assert ao[3] == 1, "the angles' output is contiguous in RD"
     with on_device(angles_raw.device):
-        angle_sum_kernel[(_rows(B, bounds) * H,)](
+        Launch(angle_sum_kernel, (_rows(B, bounds) * H,), dict(
             angles_raw=angles_raw, dt=dt, angle0=angles if angle0 is None else angle0,
             angles=angles, d_angles=d_angles, d_angles_raw=d_raw, d_dt=d_dt, d_angle0=d_angle0,
             bounds=angles if bounds is None else bounds, S=S, H=H, RD=RD, sab=ar[0],
             sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0], sdh=ds[1], sds=ds[2], sob=ao[0],
             sos=ao[1], soh=ao[2], BS=block_steps, BR=next_pow2(RD), TWO_PI=TWO_PI,
-            REVERSE=reverse, HAS_INIT=angle0 is not None, VARLEN=bounds is not None,
-            num_warps=8)
+            REVERSE=reverse, HAS_INIT=angle0 is not None, VARLEN=bounds is not None),
+            dict(num_warps=8)).run()
 
 
 def decay_pieces(adt: torch.Tensor, chunk_size: int):
@@ -217,7 +218,8 @@ def decay_pieces(adt: torch.Tensor, chunk_size: int):
     segsum = torch.empty(B, H, nc, chunk_size, chunk_size, device=dev, dtype=torch.float32)
     st = adt.stride()
     with on_device(dev):
-        decay_pieces_kernel[(B * H * nc,)](
+        Launch(decay_pieces_kernel, (B * H * nc,), dict(
             adt=adt, da_cs=da_cs, da_cs_rev=da_cs_rev, segsum=segsum, S=S, n_bh=B * H, nc=nc,
-            C=chunk_size, sab=st[0], sah=st[1], sas=st[2], H=H, CP=next_pow2(chunk_size))
+            C=chunk_size, sab=st[0], sah=st[1], sas=st[2], H=H, CP=next_pow2(chunk_size)),
+            {}).run()
     return da_cs, da_cs_rev, segsum
