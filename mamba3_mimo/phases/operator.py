@@ -280,9 +280,10 @@ TENSOR_ARGS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V",
                "MIMO_Out", "Angles", "D", "Z", "norm_weight", "angle0", "state0", "k0", "v0")
 
 
-def _forward(pb: Problem, x: dict) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, final_angle, final_state, final_k, final_v) of a validated call; the final states
-    per batch entry, or per sequence when packed."""
+def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ...]:
+    """(out, final_angle, final_state, final_k, final_v) of a validated call, the final states
+    per batch entry or per sequence when packed; (out,) alone without `with_states` (the final
+    states' few small ops are a visible share of a small shape's host time)."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     c = prepare(lpb, xl, pk)
     m = c["m"]
@@ -293,11 +294,11 @@ def _forward(pb: Problem, x: dict) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tens
     chunk_forward.launch(**_output_args(lpb, xl, c), dout=stand, out=out, dy=stand, dz=stand,
                          part_o=stand, part_z=stand, part_w=stand, final_state=final_state,
                          grad=False)
+    out = out[:, :pb.S] if pk is None else packed.unpack(out, 1, pk)
+    if not with_states:
+        return (out.contiguous(),)
     angle = _last_rows(c["angles"], pk, lpb.S).clone()  # [., H, RD]
-    if pk is None:
-        out = out[:, :pb.S]
-    else:
-        out = packed.unpack(out, 1, pk)
+    if pk is not None:
         # a sequence's final state enters its pad chunk
         final_state = c["states"][0].index_select(1, pk.pad_chunks).permute(1, 0, 3, 2)
     k_last = _last_rows(xl["K"], pk, lpb.S)
@@ -312,7 +313,7 @@ class Mamba3Mimo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pb: Problem, opts: dict, *tensors):
         x = dict(opts, **dict(zip(TENSOR_ARGS, tensors)))
-        outs = _forward(pb, x)
+        outs = _forward(pb, x, opts["return_state"])
         ctx.pb, ctx.opts = pb, opts
         ctx.save_for_backward(*tensors)
         return outs if opts["return_state"] else outs[0]
