@@ -339,17 +339,20 @@ def test_launch_orders_arguments_by_name(fn):
     assert kept_kernel(fn, args, num_warps=4) is first
 
 
-@pytest.mark.parametrize("change", ["missing", "unknown"])
+@pytest.mark.parametrize("change", ["missing", "unknown", "misspelt"])
 def test_launch_names_a_missing_or_unknown_argument(fn, change):
     """A name left out or one the kernel does not declare is an error naming it, never an
-    argument list shifted by one."""
+    argument list shifted by one; a misspelt name (as many names as parameters) is both."""
     by_name = dict(zip(TOY.arg_names, toy_args()))
     if change == "missing":
         del by_name["n"]
         match = r"missing arguments \['n'\], unknown arguments \[\]"
-    else:
+    elif change == "unknown":
         by_name["extra"] = 1
         match = r"missing arguments \[\], unknown arguments \['extra'\]"
+    else:
+        by_name["N"] = by_name.pop("n")
+        match = r"missing arguments \['n'\], unknown arguments \['N'\]"
     launch = Launch(fn, (1,), by_name, {})
     with pytest.raises(ValueError, match=match):
         launch.positional()

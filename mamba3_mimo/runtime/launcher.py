@@ -147,13 +147,17 @@ class Launch(NamedTuple):
 
     def positional(self) -> tuple:
         """The arguments in fn's parameter order; ValueError naming a missing or unknown one."""
-        names = self.fn.arg_names
-        missing = [n for n in names if n not in self.kwargs]
-        unknown = [n for n in self.kwargs if n not in names]
-        if missing or unknown:
-            raise ValueError(f"{self.fn.__name__}: missing arguments {missing}, unknown "
-                             f"arguments {unknown}")
-        return tuple([self.kwargs[n] for n in names])
+        names, kwargs = self.fn.arg_names, self.kwargs
+        # as many names as parameters, each of them found: exactly the parameters
+        if len(kwargs) == len(names):
+            try:
+                return tuple([kwargs[n] for n in names])
+            except KeyError:
+                pass
+        missing = [n for n in names if n not in kwargs]
+        unknown = [n for n in kwargs if n not in names]
+        raise ValueError(f"{self.fn.__name__}: missing arguments {missing}, unknown "
+                         f"arguments {unknown}")
 
     def run(self) -> Any:
         """Launch it now (launch_kernel)."""
