@@ -173,6 +173,8 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     from mamba3_mimo import configs, mamba3_mimo_bwd_fwd
     from mamba3_mimo.bench import kernel_ms, problem_of
     from mamba3_mimo.bench_operator import operator_case
+    from mamba3_mimo.kernels import chunk_grads
+    from mamba3_mimo.problem import Problem
     from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, sweep_shapes
     from mamba3_mimo.reference import bwd_fwd_reference
     from mamba3_mimo.runtime import launcher
@@ -193,23 +195,29 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
                                                 if shape_filter in s.name]
     for s in shapes:
         run_shape = s if gpu else Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)
-        a = make_inputs(run_shape, torch.bfloat16, z_gate, device=dev, seed=1)
-        a.pop("adt")
-        a["output_dtype"] = torch.bfloat16
-        pb = problem_of(a)
         if operator:
             _, fwd_bwd, leaves = operator_case(run_shape, z_gate, device=dev, seed=1)
+            # the problem the configs' rules see (the state pass's); phase 2's blocks recorded
+            pb = Problem(**vars(run_shape), dtype=torch.bfloat16, has_z=z_gate, has_d=True,
+                         output_dtype=torch.bfloat16, device=torch.device(dev))
+            plan = repr(chunk_grads.config(s.N, s.P))
 
             def call(fwd_bwd=fwd_bwd, leaves=leaves):
                 for x in leaves:
                     x.grad = None
                 fwd_bwd()
         else:
+            a = make_inputs(run_shape, torch.bfloat16, z_gate, device=dev, seed=1)
+            a.pop("adt")
+            a["output_dtype"] = torch.bfloat16
+            pb = problem_of(a)
+            plan = None
+
             def call(a=a):
                 return mamba3_mimo_bwd_fwd(**a)
 
         with configs.override(**rules(variant, pb)):
-            res["plans"][s.name] = configs.preferred(pb).describe()
+            res["plans"][s.name] = plan or configs.preferred(pb).describe()
             log.clear()
             # the log patches fn.run, which direct launches bypass after a signature's first
             # launch

@@ -90,7 +90,8 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
     """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and
     all P columns at once (BP >= P). z, dout, out, dy, dz are contiguous over [B, S_pad, ...]:
     z, dz [.., H, P] (dz in any float dtype, each element rounded once); out and dout
-    [.., H, P] with MIMO_Out, [.., R, H, P] without; dy [.., R, H, P] fp32. part_o, part_z [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
+    [.., H, P] with MIMO_Out, [.., R, H, P] without; dy [.., R, H, P] fp32. part_o, part_z
+    [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
     final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering each chunk)."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)

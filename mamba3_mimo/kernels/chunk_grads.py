@@ -343,9 +343,9 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     # every dot dimension at least 16 (m.TP * m.RP already is)
     TP, RP = m.TP, m.RP
     cfg = config(N, P)
-    BJ, BP = max(16, min(cfg.BJ, next_pow2(N // 2))), max(16, min(cfg.BP, next_pow2(P)))
-    SBJ = max(16, min(cfg.STATE_BJ, next_pow2(N // 2)))
-    SBP = max(16, min(cfg.STATE_BP, next_pow2(P)))
+    pairs = lambda want: max(16, min(want, next_pow2(N // 2)))  # noqa: E731
+    columns = lambda want: max(16, min(want, next_pow2(P)))  # noqa: E731
+    BJ, BP, SBJ, SBP = pairs(cfg.BJ), columns(cfg.BP), pairs(cfg.STATE_BJ), columns(cfg.STATE_BP)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
                   N=N, P=P, RD=m.RD, sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
