@@ -12,9 +12,10 @@ time per forward+backward, and (first round) the error of its output and of ever
 gradient against the float64 reference operator on the sweep's shapes (bf16 inputs, Z and D on).
 
 Usage: OUT=dir PYTHONPATH=. python3 scripts/ab.py VARIANTS_JSON [shape filter] [rounds]
-(filter "" = every official shape; "none" = none, e.g. for the error sweep alone.) The first
-variant is the baseline. Writes $OUT/ab.json and prints the comparison table. The timed calls
-have the Z gate on; AB_Z=0 in the environment times them with it off (the sweep keeps it on).
+(filter: substrings of shape names, comma-separated; "" = every official shape; "none" = none,
+e.g. for the error sweep alone.) The first variant is the baseline. Writes $OUT/ab.json and
+prints the comparison table. The timed calls have the Z gate on; AB_Z=0 in the environment
+times them with it off (the sweep keeps it on).
 
 VARIANTS_JSON: a list of objects with a "name" and any of
 - rules, applied through `configs.override` around every call of the variant:
@@ -191,8 +192,9 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     operator = os.environ.get("AB_TARGET", "bwd_fwd") == "operator"
     z_gate = os.environ.get("AB_Z", "1") != "0"
     grads_rule(variant)
-    shapes = [] if shape_filter == "none" else [s for s in official_shapes()
-                                                if shape_filter in s.name]
+    # the filter: substrings of shape names, comma-separated (any one selects a shape)
+    shapes = [] if shape_filter == "none" else [
+        s for s in official_shapes() if any(f in s.name for f in shape_filter.split(","))]
     for s in shapes:
         run_shape = s if gpu else Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)
         if operator:

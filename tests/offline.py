@@ -92,8 +92,8 @@ def call_launches(shape: Shape, arch: int, z_gate: bool = True,
 def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
                       fused_norm: bool = False) -> List[tuple]:
     """(fn, grid, args, options) of every launch of one forward and backward of the whole
-    operator on this shape (bf16 inputs, D on) and of one decode step (mamba3_mimo_step),
-    recorded on CPU tensors without launching anything (the recorded calls do nothing, so the
+    operator on this shape (bf16 inputs, D on), of a forward with the final states and of one
+    decode step (mamba3_mimo_step), recorded on CPU tensors without launching anything (the recorded calls do nothing, so the
     values computed are meaningless)."""
     if interpreter_active():
         raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing")
@@ -125,8 +125,11 @@ def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
         # CPU tensors stand for the GPU's
         operator.check_device = step.check_device = upstream.check_device = lambda device: None
         with configs.override(measured_arch=measured):
+            # as training calls it (without the norm: chunk_output's FORWARD and GRAD), then
+            # with the final states (chunk_forward's forward)
             out = operator.mamba3_mimo(**args)
             out.float().sum().backward()
+            operator.mamba3_mimo(**args, return_state=True)
             _decode_step(args, shape, step.mamba3_mimo_step)
             _upstream_step(args, shape)
     finally:
@@ -226,6 +229,8 @@ def compiled_resources(shape: Shape, arch: int = 90, z_gate: bool = True,
         for flag in ("GRAD", "REVERSE", "PREPARED"):  # the backward's forms, upstream's step
             if flag in fn.arg_names and args[fn.arg_names.index(flag)]:
                 name += "." + flag.lower()
+        if "MODE" in fn.arg_names:  # chunk_output's forms: bwd_fwd's, the operator's two
+            name += ("", ".forward", ".grad")[args[fn.arg_names.index("MODE")]]
         res[name] = dict(registers=regs, stack=stack, shared=kernel.metadata.shared,
                          num_warps=options.get("num_warps"))
         if ptx_dir:  # for reading load widths, layouts and conversions

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import DEVICE, requires_gpu, seed_for
 from test_reference_operator import INPUT_NAMES, make_args
-from mamba3_mimo import mamba3_mimo
+from mamba3_mimo import configs, mamba3_mimo
 from mamba3_mimo.inputs import Shape, official_shapes, operator_inputs
 from mamba3_mimo.reference import mamba3_mimo_reference, mamba3_mimo_stepwise
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
@@ -61,12 +61,15 @@ def _assert_identical(got_out, got_grads, want_out, want_grads):
         assert torch.equal(got_grads[name], g), name
 
 
-def _run(fn, args, w, op_kw, seed=5, like=None, **extra):
+def _run(fn, args, w, op_kw, seed=5, like=None, return_state=True, **extra):
     """(outputs, gradients) of loss = sum_i <outs[i], weights[i]> with seeded random weights.
     The weights are the cotangents autograd hands the operator: in each output's dtype. A
     reference run gets `like`, the operator's outputs, so that its weights are rounded to the
-    same dtypes: both see the same d out (a bf16 d out is part of a bf16 operator's input)."""
-    outs = fn(**args, return_state=True, outproj_norm_weight=w, **op_kw, **extra)
+    same dtypes: both see the same d out (a bf16 d out is part of a bf16 operator's input).
+    Without return_state the outputs are out alone."""
+    outs = fn(**args, return_state=return_state, outproj_norm_weight=w, **op_kw, **extra)
+    if not return_state:
+        outs = (outs,)
     gen = torch.Generator().manual_seed(seed)
     dtypes = [o.dtype for o in (outs if like is None else like.values())]
     weights = [torch.randn(o.shape, generator=gen, dtype=F64).to(dt).to(F64)
@@ -77,6 +80,22 @@ def _run(fn, args, w, op_kw, seed=5, like=None, **extra):
     if w is not None:
         grads["outproj_norm_weight"] = w.grad
     return dict(zip(OUT_NAMES, [o.detach() for o in outs])), grads
+
+
+def _against_reference(ours, w, op_kw, limit, **run_kw):
+    """Every output and gradient of the operator on the leaves `ours` (norm weight w) within
+    `limit` of the float64 reference operator's on the same values."""
+    got_out, got_grads = _run(mamba3_mimo, ours, w, op_kw, **run_kw)
+    ref = {k: (v.detach().double().cpu().requires_grad_(True) if isinstance(v, torch.Tensor)
+               else v) for k, v in ours.items()}
+    ref["dtype"] = F64
+    rw = None if w is None else w.detach().double().cpu().requires_grad_(True)
+    want_out, want_grads = _run(mamba3_mimo_reference, ref, rw, op_kw, like=got_out, **run_kw)
+    errors = {n: rel_rms(got_out[n].cpu(), want_out[n]) for n in want_out}
+    errors.update({f"d{n}": rel_rms(got_grads[n].cpu(), want_grads[n]) for n in want_grads})
+    assert set(got_grads) == set(want_grads)
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= limit}
+    assert not bad, f"relative RMS errors above {limit}: {bad}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -232,32 +251,39 @@ def test_operator_in_several_blocks(monkeypatch, op_kw, make_kw):
     w = 1 + 0.3 * torch.randn(2, 40, generator=torch.Generator().manual_seed(4),
                               dtype=F64) if op_kw else None
     ours, w32 = _leaves(args, torch.float32, DEVICE, w)
-    got_out, got_grads = _run(mamba3_mimo, ours, w32, op_kw)
-    ref = {k: (v.detach().double().cpu().requires_grad_(True) if isinstance(v, torch.Tensor)
-               else v) for k, v in ours.items()}
-    ref["dtype"] = F64
-    rw = None if w32 is None else w32.detach().double().cpu().requires_grad_(True)
-    want_out, want_grads = _run(mamba3_mimo_reference, ref, rw, op_kw)
-    errors = {n: rel_rms(got_out[n].cpu(), want_out[n]) for n in OUT_NAMES}
-    errors.update({f"d{n}": rel_rms(got_grads[n].cpu(), want_grads[n]) for n in want_grads})
-    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.float32]}
-    assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
+    # chunk_output's tiles (the reduced output without the norm) in blocks too
+    with configs.override(output=[configs.OutputConfig(BJ=16, BP=16)]):
+        _against_reference(ours, w32, op_kw, THRESHOLDS[torch.float32])
+
+
+@pytest.mark.parametrize("case", ["z_d_gqa", "noz_nod"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).split(".")[-1])
+def test_output_without_states(case, dtype):
+    """Without return_state the forward writes the reduced output through chunk_output's tiles
+    (phases.operator.tiled_output), not chunk_forward: out and every gradient against the
+    float64 reference."""
+    make_kw, op_kw, _ = CASES[case]
+    ours, _ = _leaves(make_args(**make_kw), dtype, DEVICE, None)
+    _against_reference(ours, None, op_kw, THRESHOLDS[dtype], return_state=False)
 
 
 @requires_gpu
 @pytest.mark.parametrize("shape", official_shapes(B=1), ids=lambda s: s.name)
 def test_official_shapes_accuracy(shape):
     """Every official model shape at full length (S = 2048, H = 16, one batch entry: the errors
-    are per element), bf16, Z and D on: the output, the final states and every gradient within
-    the bf16 threshold of the float64 chunked reference (run on the GPU)."""
+    are per element), bf16, Z and D on, as training calls it (no final states: the forward on
+    chunk_output's tiles; test_initial_state's full-size cases cover the states): the output and
+    every gradient within the bf16 threshold of the float64 chunked reference (run on the GPU)."""
     args = operator_inputs(shape, torch.float64, seed=seed_for(shape.name))
     ours, _ = _leaves(args, torch.bfloat16, DEVICE, None)
-    got_out, got_grads = _run(mamba3_mimo, ours, None, {})
+    got_out, got_grads = _run(mamba3_mimo, ours, None, {}, return_state=False)
     ref = {k: (v.detach().double().requires_grad_(True) if isinstance(v, torch.Tensor) else v)
            for k, v in ours.items()}
     ref["dtype"] = F64
-    want_out, want_grads = _run(mamba3_mimo_reference, ref, None, {}, like=got_out)
-    errors = {n: rel_rms(got_out[n], want_out[n]) for n in OUT_NAMES}
+    want_out, want_grads = _run(mamba3_mimo_reference, ref, None, {}, like=got_out,
+                                return_state=False)
+    errors = {n: rel_rms(got_out[n], want_out[n]) for n in want_out}
     errors.update({f"d{n}": rel_rms(got_grads[n], want_grads[n]) for n in want_grads})
     print(f"\n{shape.name} " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[torch.bfloat16]}

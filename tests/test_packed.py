@@ -59,6 +59,26 @@ def test_against_references(case, with_state):
         _assert_within(got_grads, want_grads, f"{ref.__name__} gradients")
 
 
+@pytest.mark.parametrize("case", ["mixed", "one_sequence"])
+def test_training_call(case):
+    """As training calls it (no final states: the output stage on chunk_output's tiles, which
+    must not reach across a sequence's end): out and every gradient against the float64
+    reference, fp32 inputs."""
+    lengths, make_kw, op_kw = CASES[case]
+    a, _ = _ours(_args(lengths, make_kw, seed=93), None)
+    cu = _cu(lengths)
+    gen = torch.Generator().manual_seed(5)
+    out = mamba3_mimo(**a, cu_seqlens=cu, **op_kw)
+    weight = torch.randn(out.shape, generator=gen, dtype=F64)
+    (out.double() * weight.to(out.device)).sum().backward()
+    got_out, got_grads = dict(out=out.detach().cpu()), _grads(a, None)
+    ra, _ = _f64(a, None)
+    want = mamba3_mimo_reference(**ra, cu_seqlens=cu.cpu(), **op_kw)
+    (want * weight).sum().backward()
+    _assert_within(got_out, dict(out=want.detach()), "outputs")
+    _assert_within(got_grads, _grads(ra, None), "gradients")
+
+
 @pytest.mark.parametrize("scan", [False, True], ids=["split_pass", "fused_scan"])
 def test_equals_separate_runs(scan):
     """The packed call's outputs, final states and gradients equal running each sequence alone

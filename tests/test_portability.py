@@ -76,12 +76,15 @@ OPERATOR_MAX_STACK = 2304
                          ids=["sm90_N128_P64_R4_C16", "sm90_N256_P64_R4_C8_norm",
                               "sm89_N128_P128_R4_C8"])
 def test_operator_kernels_fit(arch, dims, norm):
-    """Every kernel of the whole operator's forward and backward (chunk_forward with and
-    without GRAD, state_grad, chunk_grads, the preprocessing, the state pass) and of its decode
-    steps (ours, and upstream's form) fits SMEM_LIMIT
-    of shared memory and spills at most OPERATOR_MAX_STACK bytes per thread."""
+    """Every kernel of the whole operator's forward and backward (the output stage on
+    chunk_output's tiles, or with the norm chunk_forward with and without GRAD; chunk_forward
+    for a forward with the final states; state_grad, chunk_grads, the preprocessing, the state
+    pass) and of its decode steps (ours, and upstream's form) fits SMEM_LIMIT of shared memory
+    and spills at most OPERATOR_MAX_STACK bytes per thread."""
     res = compiled_resources(arch, *dims, "--operator", *(["--norm"] if norm else []))
-    for name in ("chunk_forward_kernel", "chunk_forward_kernel.grad", "state_grad_kernel",
+    stage = (("chunk_forward_kernel.grad",) if norm else
+             ("chunk_output_kernel.forward", "chunk_output_kernel.grad"))
+    for name in ("chunk_forward_kernel", *stage, "state_grad_kernel",
                  "chunk_grads_kernel", "angle_sum_kernel", "angle_sum_kernel.reverse",
                  "decay_pieces_kernel", "decode_step_kernel", "decode_step_kernel.prepared"):
         assert name in res, res

@@ -324,8 +324,12 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     C, nc = m.C, m.nc
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
-    dstates = torch.zeros(B, H, nc + 1, N, P, **f32)
-    if d_final_state is not None:
+    # the reverse scan writes every entry but the last (d final state, or zero): filling the
+    # whole tensor took 0.23 ms at N256_P64_R4_C8 (H200)
+    dstates = torch.empty(B, H, nc + 1, N, P, **f32)
+    if d_final_state is None:
+        dstates[:, :, nc].zero_()
+    else:
         dstates[:, :, nc] = d_final_state
     HG = H // G
     HPB = HG if HEADS_PER_PROGRAM is None else max(1, min(HEADS_PER_PROGRAM, HG))

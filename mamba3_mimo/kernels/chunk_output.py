@@ -28,10 +28,16 @@ import triton.language as tl
 
 from ..runtime.launcher import Launch
 from . import cdiv, input_align, next_pow2
-from .common import (chunk_rows, dot, gate_epilogue_steps, load_cos_sin, load_mimo_v,
-                     load_rotated, load_v_steps, mac, opaque, prefetch, prefetch_steps,
-                     psi_v_rows, store_qk_dot, store_rank_sums, tile_weights)
+from .common import (chunk_rows, dot, gate_epilogue_steps, gate_output_steps, load_cos_sin,
+                     load_mimo_v, load_rotated, load_v_steps, mac, opaque, prefetch,
+                     prefetch_steps, psi_v_rows, store_qk_dot, store_rank_sums, tile_weights)
 from .step_terms import GAMMA, K_DECAY, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
+
+# What a tile writes (chunk_output_kernel's MODE): bwd_fwd's outputs, the whole operator's
+# output, or the gradients of its output stage
+BWD_FWD = tl.constexpr(0)
+FORWARD = tl.constexpr(1)
+GRAD = tl.constexpr(2)
 
 
 @triton.jit
@@ -71,21 +77,23 @@ def _finite(x):
 
 @triton.jit
 def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin, segsum,
-          states, qk_dot, dz, part_o, part_z, flag, n_prog, bh, o, pid_p, S, S_pad, plane, nc,
+          states, qk_dot, dz, part_o, part_z, out, dy, flag, n_prog, bh, o, pid_p, S, S_pad,
+          plane, nc,
           n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
           sgb, sgh, sgc, R,
           N: tl.constexpr, P: tl.constexpr, C, TP: tl.constexpr, RP: tl.constexpr,
           HALF: tl.constexpr, RD: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
           U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
           EXACT: tl.constexpr, OPAQUE: tl.constexpr, BA: tl.constexpr, PREFETCH: tl.constexpr,
-          PB: tl.constexpr, CAREFUL: tl.constexpr):
+          PB: tl.constexpr, CAREFUL: tl.constexpr, MODE: tl.constexpr):
     """Tile o of head bh and PB consecutive P blocks from block pid_p: chunks o*U .. o*U + U - 1
     (those < nc), TP >= U*C steps; the scores are computed once for the PB blocks. CAREFUL (the
     rerun of a tile that met a non-finite value): the causal mask is applied to the weighted
     scores rather than through zero weights, non-finite v is zeroed in the dot and its column
     poisoned from its step on, and qk_dot is not stored again. Otherwise the flag of P block pp,
     at flag + pp * n_prog and cleared by the caller, is set where a dmimo_o partial sum of the
-    block is not finite."""
+    block is not finite (BWD_FWD). MODE: what the tile writes (BWD_FWD, FORWARD or GRAD, see
+    chunk_output_kernel)."""
     b, h = bh // H, bh % H
     g = h // HG
     t, r = chunk_rows(TP, RP)
@@ -116,8 +124,9 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
     for pp in tl.static_range(PB):
         blk_ok = p0 + pp * BP < P
         prefetch_steps(v + vh, (t0 + tt) * svs, ts_ok & blk_ok, p0 + pp * BP, svp, BP, PREFETCH)
-        prefetch_steps(dout + vh, (t0 + tt) * svs, out_ok & blk_ok, p0 + pp * BP, svp, BP,
-                       PREFETCH)
+        if MODE != FORWARD:
+            prefetch_steps(dout + vh, (t0 + tt) * svs, out_ok & blk_ok, p0 + pp * BP, svp, BP,
+                           PREFETCH)
         if HAS_Z:
             prefetch_steps(z + vh, (t0 + tt) * svs, out_ok & blk_ok, p0 + pp * BP, svp, BP,
                            PREFETCH)
@@ -136,7 +145,7 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
                                         k_bias + h * R * N, r * N, st, p, pm, j0, HALF, RD,
                                         sqn, skn, P, BJ, j0 < RD, PREC, OPAQUE, pp == 0)
         if pp == 0:
-            if not CAREFUL:
+            if not CAREFUL and MODE == BWD_FWD:
                 store_qk_dot(qk_dot + (bh * S + t0) * R * R, scores, t, r,
                              rows & (tg < S) & (pid_p == 0), R, RP, TP * RP, EXACT, True)
             gamma = tl.load(terms + GAMMA * plane + row + t0 + tt, mask=ts_ok, other=0.0)
@@ -171,19 +180,26 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
         raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
         if CAREFUL:
             raw = tl.where(poison[:, None, :], float("nan"), raw)
-        sum_o, sum_z = gate_epilogue_steps(raw, dout + vh, z + vh,
-                                           (t0 + tt) * svs, out_ok,
-                                           mimo_o + h * R * P, mimo_z + h * R * P, R, p, pm, P,
-                                           svp, dz + (b * S * H + h) * P, (t0 + tt) * H * P,
-                                           HAS_Z, 2 if OPAQUE else 1)  # the sigmoid: inline asm
-        part = (bh * n_tiles + o) * R * P
-        store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
-        if not CAREFUL:
-            # after the barrier, which orders it after the program's clearing of the flag; any
-            # thread whose sum is not finite (0 * NaN or Inf is NaN) sets it
-            tl.debug_barrier()
-            tl.store(flag + pp * n_prog + tl.zeros([RP, BP], dtype=tl.int32), 1.0,
-                     mask=(sum_o * 0.0) != 0.0)
+        # dz and out [B, S, H, P], dy [B, S, R, H, P], contiguous: the head's slice at a step
+        t_rows = (b * S + t0 + tt) * H * P
+        if MODE == FORWARD:
+            gate_output_steps(raw, z + vh, (t0 + tt) * svs, out_ok, mimo_o + h * R * P,
+                              mimo_z + h * R * P, R, p, pm, P, svp, out + h * P, t_rows, HAS_Z,
+                              2 if OPAQUE else 1)
+        else:
+            sum_o, sum_z = gate_epilogue_steps(
+                raw, dout + vh, z + vh, (t0 + tt) * svs, out_ok, mimo_o + h * R * P,
+                mimo_z + h * R * P, R, p, pm, P, svp, dz + h * P, t_rows, dy + h * P,
+                t_rows * R, H * P, HAS_Z, 2 if OPAQUE else 1,  # the sigmoid: inline asm
+                MODE == GRAD)
+            part = (bh * n_tiles + o) * R * P
+            store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
+            if not CAREFUL and MODE == BWD_FWD:
+                # after the barrier, which orders it after the program's clearing of the flag;
+                # any thread whose sum is not finite (0 * NaN or Inf is NaN) sets it
+                tl.debug_barrier()
+                tl.store(flag + pp * n_prog + tl.zeros([RP, BP], dtype=tl.int32), 1.0,
+                         mask=(sum_o * 0.0) != 0.0)
 
 
 @triton.jit
@@ -197,7 +213,7 @@ def _tile_of(pid, n_bh, n_tiles):
 @triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "n_bh", "n_prog", "sqb",
                                "skb", "svb", "sgb", "sgh"])
 def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
-                        sin, segsum, states, qk_dot, dz, part_o, part_z, flags,
+                        sin, segsum, states, qk_dot, dz, part_o, part_z, out, dy, flags,
                         S, S_pad, plane, nc, n_tiles, n_bh, n_prog, H, HG, sqb, sqs, sqr, sqg,
                         sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
                         N: tl.constexpr, P: tl.constexpr, C,
@@ -206,10 +222,14 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
                         BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr,
-                        CAREFUL: tl.constexpr, FLAG_BLOCK: tl.constexpr):
+                        CAREFUL: tl.constexpr, FLAG_BLOCK: tl.constexpr, MODE: tl.constexpr):
     """One tile of one (b, h) and PB P blocks (`_tile`), grid (B*H * tiles, P blocks) = n_prog
-    programs. flags [PB, n_prog]: flags[pp, pid_p * B*H * tiles + pid] is 1 where a dmimo_o
-    partial sum of P block pp is not finite, else 0. CAREFUL: the rerun launch, grid
+    programs. MODE: BWD_FWD (bwd_fwd's outputs: qk_dot, dz, the dmimo partial sums and the
+    flags below), FORWARD (the whole operator's output `out` alone; dout, qk_dot, dz, part_o,
+    part_z, flags unread) or GRAD (the operator's backward: dz, the partial sums and dy = d raw_y
+    [B, S, R, H, P] fp32; no qk_dot, no flags). flags [PB, n_prog]:
+    flags[pp, pid_p * B*H * tiles + pid] is 1 where a dmimo_o partial sum of P block pp is not
+    finite, else 0. CAREFUL: the rerun launch, grid
     (cdiv(n_prog, FLAG_BLOCK),), whose programs read the flags of FLAG_BLOCK programs each and
     rerun the flagged tiles (none, almost always). sqb, skb, svb, sgb, sgh come divided by BA
     (kernels.input_align)."""
@@ -228,11 +248,12 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                     pid_p = (first + j) // (n_bh * n_tiles)
                     bh, o = _tile_of(pid, n_bh, n_tiles)
                     _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms,
-                          cos, sin, segsum, states, qk_dot, dz, part_o, part_z, flags, n_prog,
+                          cos, sin, segsum, states, qk_dot, dz, part_o, part_z, out, dy, flags,
+                          n_prog,
                           bh, o, pid_p.to(tl.int32), S, S_pad, plane, nc, n_tiles, H, HG, sqb,
                           sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb,
                           sgh, sgc, R, N, P, C, TP, RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC,
-                          EXACT, OPAQUE, BA, PREFETCH, PB, True)
+                          EXACT, OPAQUE, BA, PREFETCH, PB, True, MODE)
     else:
         # (b*h, tile) flattened on grid axis 0: axis 1 would cap the tiles at 65,535. The
         # program ids are < 2**31: 32-bit division, then 64-bit offsets.
@@ -241,14 +262,15 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
         flag = flags + pid_p.to(tl.int64) * n_bh * n_tiles + pid
         # cleared here, set by the threads that meet a non-finite sum after a barrier (_tile):
         # a reduction of the sums to one flag made the fast path spill
-        for pp in tl.static_range(PB):
-            tl.store(flag + pp * n_prog, 0.0)
+        if MODE == BWD_FWD:
+            for pp in tl.static_range(PB):
+                tl.store(flag + pp * n_prog, 0.0)
         _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin,
-              segsum, states, qk_dot, dz, part_o, part_z, flag, n_prog, bh.to(tl.int64),
+              segsum, states, qk_dot, dz, part_o, part_z, out, dy, flag, n_prog, bh.to(tl.int64),
               o.to(tl.int64), pid_p, S, S_pad, plane, nc, n_tiles, H, HG, sqb, sqs, sqr, sqg,
               sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R, N, P, C, TP,
               RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC, EXACT, OPAQUE, BA, PREFETCH, PB,
-              False)
+              False, MODE)
 
 
 @triton.jit(do_not_specialize=["n_bh", "n_tiles", "s_part"])
@@ -289,6 +311,52 @@ def flag_count(consts, cfg) -> int:
     return cfg.PB * program_count(consts, cfg)
 
 
+def _arguments(*, q, k, v, segsum, S: int, consts, cfg, **tensors) -> dict:
+    """chunk_output_kernel's arguments but CAREFUL: the tensors, S (the steps of the outputs
+    with a step axis), MODE, the strides, the model's constants and cfg's blocks."""
+    m = consts
+    BA = input_align(m.ALIGN, q, k, v, segsum)
+    qs, ks, vs, gs = q.stride(), k.stride(), v.stride(), segsum.stride()
+    return dict(
+        tensors, q=q, k=k, v=v, segsum=segsum, S=S, S_pad=m.S_pad, plane=m.B * m.H * m.S_pad,
+        nc=m.nc, n_tiles=cdiv(m.nc, m.U), n_bh=m.B * m.H, n_prog=program_count(m, cfg), H=m.H,
+        HG=m.H // m.G, sqb=qs[0] // BA, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
+        skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
+        svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3],
+        sgb=gs[0] // BA, sgh=gs[1] // BA, sgc=gs[2], R=m.R, N=m.N, P=m.P, C=m.C, TP=m.TPO,
+        RP=m.RP, HALF=m.N // 2, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, U=m.U, HAS_Z=m.HAS_Z,
+        HAS_D=m.HAS_D, PREC=m.PREC, EXACT=m.EXACT, OPAQUE=m.OPAQUE, BA=BA, PREFETCH=m.PREFETCH,
+        PB=cfg.PB, FLAG_BLOCK=FLAG_BLOCK)
+
+
+def _options(cfg) -> dict:
+    return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
+
+
+def operator_launch(*, grad: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    dout: torch.Tensor, z: torch.Tensor, q_bias: torch.Tensor,
+                    k_bias: torch.Tensor, mimo_v: torch.Tensor, mimo_o: torch.Tensor,
+                    mimo_z: torch.Tensor, d: torch.Tensor, segsum: torch.Tensor,
+                    terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    states: torch.Tensor, out: torch.Tensor, dz: torch.Tensor, dy: torch.Tensor,
+                    part_o: torch.Tensor, part_z: torch.Tensor, consts, cfg) -> Launch:
+    """The whole operator's launch (MIMO_Out given, no fused norm), over padded inputs as
+    `launches` reads them: without `grad` (FORWARD) it writes out [B, S_pad, H, P] in out's
+    dtype; with it (GRAD), given dout [B, S_pad, H, P], dz [B, S_pad, H, P] (with Z), dy = d
+    raw_y [B, S_pad, R, H, P] fp32 and the per-tile partial sums of the gradients of MIMO_Out
+    and MIMO_Z, part_o and part_z [B*H, n_tiles, R, P] fp32. Tensors a mode does not write or
+    read may be stand-ins. No rerun of tiles that meet a non-finite value (bwd_fwd's CAREFUL):
+    within a tile, a NaN or Inf of a later step reaches the outputs of earlier ones."""
+    kwargs = _arguments(q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias,
+                        mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d, terms=terms, cos=cos,
+                        sin=sin, segsum=segsum, states=states, qk_dot=out, dz=dz, part_o=part_o,
+                        part_z=part_z, out=out, dy=dy, flags=part_o, S=consts.S_pad,
+                        MODE=(GRAD if grad else FORWARD).value, consts=consts, cfg=cfg)
+    m = consts
+    grid = (m.B * m.H * cdiv(m.nc, m.U), cdiv(m.P, cfg.BP * cfg.PB))
+    return Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=False), _options(cfg))
+
+
 def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
              z: torch.Tensor, q_bias: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
              mimo_o: torch.Tensor, mimo_z: torch.Tensor, d: torch.Tensor, segsum: torch.Tensor,
@@ -308,34 +376,24 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     m = consts
     B, H = m.B, m.H
     n_tiles = cdiv(m.nc, m.U)
-    p_blocks = cdiv(m.P, cfg.BP * cfg.PB)
     n_prog = program_count(m, cfg)
     if flags.numel() < flag_count(m, cfg):
         raise ValueError(f"flags: {flag_count(m, cfg)} elements needed, got {flags.numel()}")
-    BA = input_align(m.ALIGN, q, k, v, segsum)
-    qs, ks, vs, gs = q.stride(), k.stride(), v.stride(), segsum.stride()
-    kwargs = dict(
-        q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v,
-        mimo_o=mimo_o, mimo_z=mimo_z, d=d, terms=terms, cos=cos, sin=sin, segsum=segsum,
-        states=states, qk_dot=qk_dot, dz=dz, part_o=part_o, part_z=part_z, flags=flags,
-        S=m.S, S_pad=m.S_pad, plane=B * H * m.S_pad, nc=m.nc, n_tiles=n_tiles, n_bh=B * H,
-        n_prog=n_prog, H=H,
-        HG=H // m.G, sqb=qs[0] // BA, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
-        skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
-        svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3],
-        sgb=gs[0] // BA, sgh=gs[1] // BA, sgc=gs[2], R=m.R, N=m.N, P=m.P, C=m.C, TP=m.TPO,
-        RP=m.RP, HALF=m.N // 2, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, U=m.U, HAS_Z=m.HAS_Z,
-        HAS_D=m.HAS_D, PREC=m.PREC, EXACT=m.EXACT, OPAQUE=m.OPAQUE, BA=BA, PREFETCH=m.PREFETCH,
-        PB=cfg.PB)
+    # out, dy: unread stand-ins
+    kwargs = _arguments(q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias,
+                        mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d, terms=terms, cos=cos,
+                        sin=sin, segsum=segsum, states=states, qk_dot=qk_dot, dz=dz,
+                        part_o=part_o, part_z=part_z, out=parts, dy=parts, flags=flags,
+                        S=m.S, MODE=BWD_FWD.value, consts=m, cfg=cfg)
+    grid = (B * H * n_tiles, cdiv(m.P, cfg.BP * cfg.PB))
     RP_SIZE = m.R * m.P
     BLOCK = min(128, next_pow2(RP_SIZE))
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
-    return [Launch(chunk_output_kernel, (B * H * n_tiles, p_blocks),
-                   dict(kwargs, CAREFUL=False, FLAG_BLOCK=FLAG_BLOCK), options),
+    options = _options(cfg)
+    return [Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=False), options),
             # the rerun of flagged tiles: a program reads FLAG_BLOCK flags and, if none is set,
             # exits
-            Launch(chunk_output_kernel, (cdiv(n_prog, FLAG_BLOCK),),
-                   dict(kwargs, CAREFUL=True, FLAG_BLOCK=FLAG_BLOCK), options),
+            Launch(chunk_output_kernel, (cdiv(n_prog, FLAG_BLOCK),), dict(kwargs, CAREFUL=True),
+                   options),
             Launch(rank_sums_kernel, (parts.shape[0] * B * H, cdiv(RP_SIZE, BLOCK)), dict(
                 parts=parts, sums=dmimo, n_bh=B * H, n_tiles=n_tiles, s_part=parts.stride(0),
                 RP_SIZE=RP_SIZE, BLOCK=BLOCK, ROWS=32), dict(num_warps=4))]

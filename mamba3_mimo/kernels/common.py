@@ -180,6 +180,14 @@ def sigmoid(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def silu_terms(u, FAST: tl.constexpr):
+    """(silu(u), silu'(u)) = (u sigmoid(u), sigmoid(u) (1 + u (1 - sigmoid(u))))."""
+    sg = sigmoid(u, FAST)
+    gate = u * sg
+    return gate, sg + gate * (1.0 - sg)
+
+
+@triton.jit
 def gate_grads(raw, dout, z, zeta, HAS_Z: tl.constexpr, FAST: tl.constexpr):
     """Per-element terms of the gradients for out = sum_r Phi * silu(z * Zeta) * raw.
 
@@ -188,12 +196,9 @@ def gate_grads(raw, dout, z, zeta, HAS_Z: tl.constexpr, FAST: tl.constexpr):
     which can apply it after a sum over time, once per (rank, column) instead of per element.
     """
     if HAS_Z:
-        u = z * zeta
-        sg = sigmoid(u, FAST)
+        gate, d_gate = silu_terms(z * zeta, FAST)
         dr = dout * raw
-        gate = u * sg
-        # silu'(u) = sg * (1 + u * (1 - sg)) = sg + gate * (1 - sg)
-        return dr * gate, dr * (sg + gate * (1.0 - sg))
+        return dr * gate, dr * d_gate
     return dout * raw, tl.zeros_like(raw)
 
 
@@ -254,7 +259,8 @@ def store_qk_dot(qk_ptr, scores, t, r, row_ok, R, RP: tl.constexpr, ROWS: tl.con
 
 @triton.jit
 def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, p, p_mask, P,
-                        stride_p, dz_ptr, dz_off, HAS_Z: tl.constexpr, FAST: tl.constexpr):
+                        stride_p, dz_ptr, dz_off, dy_ptr, dy_off, dy_rank, HAS_Z: tl.constexpr,
+                        FAST: tl.constexpr, DY: tl.constexpr):
     """The production reduce-O gradients of a tile held as raw [TP, RP, BP] (step, rank,
     column): stores dz and returns the per-rank sums (sum_t dout*gate*raw,
     sum_t dout*Phi*raw*silu'(u)*z), each [RP, BP].
@@ -264,20 +270,29 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
     head's [R, P] blocks at mimo_o, mimo_z); the sums run along a tensor axis, so no
     row-grouped tile is rebuilt, and Phi multiplies dmimo_z's sum over time, not its terms.
     dz_off: the steps' offsets in the contiguous dz at dz_ptr. Rows of raw with rank >= R must
-    be zero.
+    be zero. DY (the whole operator's backward) also stores d raw = dout * Phi * gate, fp32, at
+    dy_ptr + dy_off[t] + r * dy_rank + p.
     """
     m = t_mask[:, None] & p_mask[None, :]
     off = t_off[:, None] + p[None, :] * stride_p
     dout = tl.load(dout_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
-    z, zeta, phi = 0.0, 0.0, 0.0
-    if HAS_Z:  # Phi enters only the gate's terms
-        r = tl.arange(0, raw.shape[1])
-        hm = (r < R)[:, None] & p_mask[None, :]
-        hoff = r[:, None] * P + p[None, :]
+    r = tl.arange(0, raw.shape[1])
+    hm = (r < R)[:, None] & p_mask[None, :]
+    hoff = r[:, None] * P + p[None, :]
+    z, zeta, phi, gate = 0.0, 0.0, 0.0, 1.0
+    if HAS_Z or DY:  # without Z, Phi enters only dy
         phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)  # [RP, BP]
+    if HAS_Z:
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
         zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :]
-    g_o, h = gate_grads(raw, dout, z, zeta, HAS_Z, FAST)
+        gate, d_gate = silu_terms(z * zeta, FAST)
+        dr = dout * raw
+        g_o, h = dr * gate, dr * d_gate
+    else:
+        g_o, h = dout * raw, 0.0
+    if DY:
+        tl.store(dy_ptr + dy_off[:, None, None] + r[None, :, None] * dy_rank + p[None, None, :],
+                 dout * phi[None, :, :] * gate, mask=t_mask[:, None, None] & hm[None, :, :])
     sum_o = tl.sum(g_o, axis=0)
     sum_z = tl.zeros_like(sum_o)
     if HAS_Z:
@@ -285,6 +300,26 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
         tl.store(dz_ptr + dz_off[:, None] + p[None, :], dz.to(dz_ptr.dtype.element_ty), mask=m)
         sum_z = phi * tl.sum(h * z, axis=0)
     return sum_o, sum_z
+
+
+@triton.jit
+def gate_output_steps(raw, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, p, p_mask, P, stride_p,
+                      out_ptr, out_off, HAS_Z: tl.constexpr, FAST: tl.constexpr):
+    """The output stage of a tile held as raw [TP, RP, BP] (step, rank, column): stores
+    out[t, p] = sum_r Phi * silu(z Zeta) * raw (gate 1 without Z) at out_ptr + out_off[t] + p in
+    out's dtype; z read as gate_epilogue_steps reads it."""
+    m = t_mask[:, None] & p_mask[None, :]
+    r = tl.arange(0, raw.shape[1])
+    hm = (r < R)[:, None] & p_mask[None, :]
+    hoff = r[:, None] * P + p[None, :]
+    y = raw * tl.load(mimo_o + hoff, mask=hm, other=0.0)[None, :, :]
+    if HAS_Z:
+        z = tl.load(z_ptr + t_off[:, None] + p[None, :] * stride_p, mask=m,
+                    other=0.0).to(tl.float32)[:, None, :]
+        gate, _ = silu_terms(z * tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :], FAST)
+        y = y * gate
+    tl.store(out_ptr + out_off[:, None] + p[None, :],
+             tl.sum(y, axis=1).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -25,10 +25,33 @@ from .common import tanh
 TWO_PI = 2 * math.pi
 # decay pieces: the [C, C] segsum block of a chunk is one register tile
 MAX_CHUNK = 128
-# The angles' running sum walks the steps in blocks of this many, one program of 8 warps per
-# (b, h): each block waits for its loads, so fewer, larger blocks (H200, 2026-12-03: 64-step
-# blocks at 4 warps took 0.17 ms per call at N128_P64_R4_C16, B = 4)
+# The angles' running sum walks the steps in blocks of at most BLOCK_STEPS, one program of 8
+# warps per (b, h), loading a block while it sums the one before (so fewer, larger blocks: at 4
+# warps 64-step blocks took 0.17 ms per call at N128_P64_R4_C16, B = 4, H200 2026-12-03), and of
+# at most BLOCK_ELEMENTS angles: two blocks in flight at RD = 64 and 128 steps spilled 1.5 KB
+# per thread (ptxas, sm_90).
 BLOCK_STEPS = 128
+BLOCK_ELEMENTS = 4096
+
+
+@triton.jit
+def _angle_block(raw_at, dt_at, g_at, raw_off, out_off, i, rm, blk, n_blocks, n_steps,
+                 BS: tl.constexpr, sas, sds, sos, REVERSE: tl.constexpr):
+    """The inputs of the walk's block blk (all masked once blk reaches n_blocks): the raw angles
+    [BS, BR], dt [BS] and, REVERSE, the angles' gradient [BS, BR] (else 0); the walk goes from
+    the first block forward, or from the last backward (REVERSE)."""
+    if REVERSE:
+        s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
+    else:
+        s0 = tl.cast(blk, tl.int64) * BS
+    sm = (i < n_steps - s0) & (blk < n_blocks)
+    m = sm[:, None] & rm[None, :]
+    x = tl.load(raw_at + s0 * sas + raw_off, mask=m, other=0.0)
+    d = tl.load(dt_at + s0 * sds + i * sds, mask=sm, other=0.0)
+    g = 0.0
+    if REVERSE:
+        g = tl.load(g_at + s0 * sos + out_off, mask=m, other=0.0)
+    return x, d, g
 
 
 @triton.jit(do_not_specialize=["S", "sab", "sdb", "sdh", "sob"])
@@ -75,6 +98,10 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     else:
         carry = tl.zeros([BR], dtype=tl.float32)
     n_blocks = tl.cdiv(n_steps, BS)
+    # Software-pipelined: a block's inputs are loaded while the block before it is summed, so
+    # that the walk waits for memory about once rather than once per block.
+    x, d, g_out = _angle_block(angles_raw + raw_at, dt + dt_at, d_angles + out_at, raw_off,
+                               out_off, i, rm, 0, n_blocks, n_steps, BS, sas, sds, sos, REVERSE)
     for blk in range(n_blocks):
         if REVERSE:
             s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
@@ -82,11 +109,12 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
             s0 = tl.cast(blk, tl.int64) * BS
         sm = i < n_steps - s0
         m = sm[:, None] & rm[None, :]
-        x = tl.load(angles_raw + raw_at + s0 * sas + raw_off, mask=m, other=0.0)
-        d = tl.load(dt + dt_at + s0 * sds + i * sds, mask=sm, other=0.0)
+        x_next, d_next, g_next = _angle_block(angles_raw + raw_at, dt + dt_at,
+                                              d_angles + out_at, raw_off, out_off, i, rm,
+                                              blk + 1, n_blocks, n_steps, BS, sas, sds, sos,
+                                              REVERSE)
         th = tanh(x)
         if REVERSE:
-            g_out = tl.load(d_angles + out_at + s0 * sos + out_off, mask=m, other=0.0)
             # g[u] = carry + sum_{t>=u in the block} g_out[t]: the block's total minus the
             # inclusive running sum, plus the row itself
             run = tl.cumsum(g_out, axis=0)
@@ -101,6 +129,7 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
             tl.store(angles + out_at + s0 * sos + out_off, total, mask=m)
             # masked steps add nothing, so the block's last row is its last valid step's
             carry = tl.sum(tl.where((i == BS - 1)[:, None], total, 0.0), axis=0)
+        x, d, g_out = x_next, d_next, g_next
     if REVERSE:
         tl.store(d_angle0 + init_at, carry, mask=rm)
 
@@ -138,7 +167,7 @@ def _check_steps(name: str, x: torch.Tensor, shape: tuple) -> None:
 
 def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch.Tensor] = None,
               bounds: Optional[torch.Tensor] = None,
-              block_steps: int = BLOCK_STEPS) -> torch.Tensor:
+              block_steps: Optional[int] = None) -> torch.Tensor:
     """The rotation angles [B, S, H, RD] fp32 (contiguous) from Angles [B, S, H, RD] and DT
     [B, H, S], both fp32 of any strides, and the angle before the first step, angle0
     [B, H, RD] fp32 or None for zero: (angle0 + sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi.
@@ -158,7 +187,7 @@ def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch
 
 
 def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: torch.Tensor,
-                       bounds: Optional[torch.Tensor] = None, block_steps: int = BLOCK_STEPS):
+                       bounds: Optional[torch.Tensor] = None, block_steps: Optional[int] = None):
     """(d Angles [B, S, H, RD], the angles' share of d DT [B, H, S], d angle0 [B or n_seq, H,
     RD]), all fp32, from the gradient d_angles [B, S, H, RD] of angle_sum's output and its
     inputs (bounds as angle_sum's)."""
@@ -186,10 +215,14 @@ def _rows(B: int, bounds: Optional[torch.Tensor]) -> int:
     return bounds.numel() - 1
 
 
-def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0, block_steps: int,
+def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0,
+                  block_steps: Optional[int],
                   reverse: bool, angle0: Optional[torch.Tensor],
                   bounds: Optional[torch.Tensor]) -> None:
     B, S, H, RD = angles_raw.shape
+    BR = next_pow2(RD)
+    if block_steps is None:
+        block_steps = max(16, min(BLOCK_STEPS, BLOCK_ELEMENTS // BR))
     ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
     assert ao[3] == 1, "the angles' output is contiguous in RD"
     with on_device(angles_raw.device):
@@ -198,7 +231,7 @@ def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0, block
             angles=angles, d_angles=d_angles, d_angles_raw=d_raw, d_dt=d_dt, d_angle0=d_angle0,
             bounds=angles if bounds is None else bounds, S=S, H=H, RD=RD, sab=ar[0],
             sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0], sdh=ds[1], sds=ds[2], sob=ao[0],
-            sos=ao[1], soh=ao[2], BS=block_steps, BR=next_pow2(RD), TWO_PI=TWO_PI,
+            sos=ao[1], soh=ao[2], BS=block_steps, BR=BR, TWO_PI=TWO_PI,
             REVERSE=reverse, HAS_INIT=angle0 is not None, VARLEN=bounds is not None),
             dict(num_warps=8)).run()
 

@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import configs
-from ..kernels import chunk_forward, chunk_grads, chunk_state, preprocess, step_terms
+from ..kernels import chunk_forward, chunk_grads, chunk_output, chunk_state, preprocess, step_terms
 from ..problem import Problem
 from ..runtime import resources
 from ..runtime.device import check_device, on_device
@@ -139,13 +139,17 @@ def _add_last_rows(t: Tensor, val: Tensor, pk: Optional[Packing], S: int) -> Non
         t[0].index_add_(0, pk.lasts, val.to(t.dtype))
 
 
-def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
+def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None, tiles: bool = False) -> dict:
     """The kernels' view of a call in its layout: the sequence inputs padded to whole chunks,
     the rotation angles and decay pieces (preprocess), step_terms' tables and the states
-    entering each chunk (the state pass), with the kernels' constants `m` (U = 1)."""
+    entering each chunk (the state pass), with the kernels' constants `m`: U = 1 (one chunk per
+    program: chunk_forward, phase 2), or with `tiles` chunk_output's tiles of
+    configs.tile_chunks chunks (step_terms' decays are then relative to a tile's start)."""
     C = kernel_chunk(pb)
     kpb = dataclasses.replace(pb, C=C)
-    m = dataclasses.replace(configs.constants(kpb), U=1)
+    m = configs.constants(kpb)
+    if not tiles:
+        m = dataclasses.replace(m, U=1, TPO=m.TP)
     S_pad = m.S_pad
     a = {name: _pad_steps(x[name], 1, S_pad) for name in ("Q", "K", "V", "Z")}
     if a["Z"] is not None:
@@ -158,23 +162,31 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
                         1, S_pad)
     # ADT zero-padded: past S, da_cs keeps its last value and nothing decays
     a["da_cs"], a["da_cs_rev"], a["segsum"] = preprocess.decay_pieces(a["ADT"], C)
-    numel, views = step_terms.table_views(m)
-    buf = torch.empty(numel, device=pb.device, dtype=torch.float32)
-    tables = {name: buf.as_strided(size, stride, off) for name, size, stride, off in views}
     small = {name: x[name].contiguous() for name in ("Q_bias", "K_bias", "MIMO_V")}
     states = torch.empty(pb.B, pb.H, m.nc, pb.N, pb.P, device=pb.device, dtype=torch.float32)
+    tables = step_tables(m, a, angles)
     state_args = dict(k=a["K"], v=a["V"], k_bias=small["K_bias"], mimo_v=small["MIMO_V"],
                       da_cs=a["da_cs"], **tables, states=states, inc=states, consts=m)
     cfg = resources.choose(("operator_state", kpb.N, kpb.P, kpb.R, C, kpb.RD, pb.dtype),
                            configs.state_candidates(kpb),
                            lambda cfg: chunk_state.launches(**state_args, cfg=cfg)[0], pb.device)
     with on_device(pb.device):
-        step_terms.launch(angles=angles, da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
-                          dt=a["DT"], trap=a["Trap"], consts=m, **tables).run()
         for launch in chunk_state.launches(**state_args, cfg=cfg, init=_entering_state(x, pk),
                                            bounds=None if pk is None else pk.chunk_bounds):
             launch.run()
     return dict(a, **tables, **small, angles=angles, states=states, m=m)
+
+
+def step_tables(m: configs.Constants, a: dict, angles: Tensor) -> dict:
+    """step_terms' tables (terms, cos, sin) of a prepared call's padded inputs `a` and running
+    angles, for the tiles of m.U chunks."""
+    numel, views = step_terms.table_views(m)
+    buf = torch.empty(numel, device=angles.device, dtype=torch.float32)
+    tables = {name: buf.as_strided(size, stride, off) for name, size, stride, off in views}
+    with on_device(angles.device):
+        step_terms.launch(angles=angles, da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
+                          dt=a["DT"], trap=a["Trap"], consts=m, **tables).run()
+    return tables
 
 
 def _previous_step(x: dict, pk: Optional[Packing]) -> Tuple[Tensor, Tensor, Tensor]:
@@ -245,6 +257,33 @@ def _output_args(pb: Problem, x: dict, c: dict) -> dict:
                 norm=x["fuse_norm"], consts=c["m"])
 
 
+def tiled_output(x: dict) -> bool:
+    """Whether the output stage runs on chunk_output's tiles (MIMO_Out given, no fused norm)
+    rather than chunk_forward's (which also has the per-rank output and the norm)."""
+    return x["MIMO_Out"] is not None and not x["fuse_norm"]
+
+
+def _tiled_output(pb: Problem, x: dict, c: dict, grad: bool, **outs) -> None:
+    """chunk_output's launch of the whole operator (FORWARD, or GRAD with `grad`) on a prepared
+    call, in the config its shared-memory probe picks; outs: out, dout, dz, dy, part_o, part_z
+    (stand-ins where the mode has none)."""
+    m, stand = c["m"], placeholder(pb.device)
+    kpb = dataclasses.replace(pb, C=m.C)
+    # dout and z are read with V's strides
+    args = dict(q=c["Q"], k=c["K"], v=c["V"].contiguous(), z=stand if c["Z"] is None else c["Z"],
+                q_bias=c["Q_bias"], k_bias=c["K_bias"], mimo_v=c["MIMO_V"],
+                mimo_o=x["MIMO_Out"].contiguous(),
+                mimo_z=stand if x["MIMO_Z"] is None else x["MIMO_Z"].contiguous(),
+                d=stand if x["D"] is None else x["D"].contiguous(), segsum=c["segsum"],
+                terms=c["terms"], cos=c["cos"], sin=c["sin"], states=c["states"], consts=m,
+                grad=grad, **outs)
+    key = ("operator_output", grad, pb.N, pb.P, pb.R, m.C, m.U, m.RD, pb.dtype, pb.has_z,
+           pb.has_d)
+    cfg = resources.choose(key, configs.output_candidates(kpb),
+                           lambda cfg: chunk_output.operator_launch(**args, cfg=cfg), pb.device)
+    chunk_output.operator_launch(**args, cfg=cfg).run()
+
+
 def _rotate(x: Tensor, angle: Tensor, inverse: bool = False) -> Tensor:
     """x [B, R, H, N] rotated on its first RD pairs (n, N/2 + n) by angle [B, H, RD] (rotate-half,
     SPEC section 2), or by -angle with `inverse` (the transpose: a gradient rotated back)."""
@@ -285,15 +324,21 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     per batch entry or per sequence when packed; (out,) alone without `with_states` (the final
     states' few small ops are a visible share of a small shape's host time)."""
     pk, lpb, xl = layout(pb, x, x["cu"])
-    c = prepare(lpb, xl, pk)
+    tiled = tiled_output(x) and not with_states
+    # tiles of several chunks only without packing: a tile would cross a sequence's end
+    c = prepare(lpb, xl, pk, tiles=tiled and pk is None)
     m = c["m"]
     dev, stand = pb.device, placeholder(pb.device)
     ranks = () if x["MIMO_Out"] is not None else (pb.R,)
     out = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=dev, dtype=x["Q"].dtype)
-    final_state = torch.empty(lpb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
-    chunk_forward.launch(**_output_args(lpb, xl, c), dout=stand, out=out, dy=stand, dz=stand,
-                         part_o=stand, part_z=stand, part_w=stand, final_state=final_state,
-                         grad=False)
+    if tiled:
+        _tiled_output(lpb, xl, c, False, out=out, dout=stand, dz=stand, dy=stand, part_o=stand,
+                      part_z=stand)
+    else:
+        final_state = torch.empty(lpb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
+        chunk_forward.launch(**_output_args(lpb, xl, c), dout=stand, out=out, dy=stand,
+                             dz=stand, part_o=stand, part_z=stand, part_w=stand,
+                             final_state=final_state, grad=False)
     out = out[:, :pb.S] if pk is None else packed.unpack(out, 1, pk)
     if not with_states:
         return (out.contiguous(),)
@@ -416,6 +461,14 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     c = prepare(lpb, xl, pk)
     m = c["m"]
     B, L, H, G, N, P, R = lpb.B, lpb.S, pb.H, pb.G, pb.N, pb.P, pb.R  # L: the layout's steps
+    # the output stage's gradients on chunk_output's tiles of several chunks where a chunk has
+    # fewer than a tile's rows, with step_terms' tables of those tiles (phase 2's are per chunk)
+    tile = c
+    if tiled_output(x) and pk is None:  # a tile would cross a packed sequence's end
+        mt = configs.constants(dataclasses.replace(lpb, C=m.C))
+        if mt.U > 1:
+            tile = dict(c, m=mt, **step_tables(mt, c, c["angles"]))
+    n_tiles = -(-m.nc // tile["m"].U)
     S_pad, nc, dev = m.S_pad, m.nc, pb.device
     f32 = dict(device=dev, dtype=torch.float32)
     stand = placeholder(dev)
@@ -436,22 +489,26 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     dy = torch.empty(B, S_pad, R, H, P, **f32)
     # dZ in Z's dtype: the kernel rounds each element once, as the cast at the end would
     dz = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype) if pb.has_z else stand
-    part_o = torch.empty(B * H, nc, R, P, **f32) if x["MIMO_Out"] is not None else stand
-    part_z = torch.empty(B * H, nc, R, P, **f32) if pb.has_z else stand
+    part_o = torch.empty(B * H, n_tiles, R, P, **f32) if x["MIMO_Out"] is not None else stand
+    part_z = torch.empty(B * H, n_tiles, R, P, **f32) if pb.has_z else stand
     part_w = torch.empty(B * H, nc, P, **f32) if x["fuse_norm"] else stand
-    chunk_forward.launch(**_output_args(lpb, xl, c), dout=dout, out=stand, dy=dy, dz=dz,
-                         part_o=part_o, part_z=part_z, part_w=part_w, final_state=stand,
-                         grad=True)
+    if tiled_output(x):
+        _tiled_output(lpb, xl, tile, True, out=stand, dout=dout, dz=dz, dy=dy, part_o=part_o,
+                      part_z=part_z)
+    else:
+        chunk_forward.launch(**_output_args(lpb, xl, c), dout=dout, out=stand, dy=dy, dz=dz,
+                             part_o=part_o, part_z=part_z, part_w=part_w, final_state=stand,
+                             grad=True)
     # the output stage's per-chunk partial sums reduced now, before phase 2's buffers exist
     grads = {}
     if pb.has_z:
-        grads["MIMO_Z"] = part_z.view(B, H, nc, R, P).sum((0, 2))
+        grads["MIMO_Z"] = part_z.view(B, H, n_tiles, R, P).sum((0, 2))
     if x["MIMO_Out"] is not None:
-        grads["MIMO_Out"] = part_o.view(B, H, nc, R, P).sum((0, 2))
+        grads["MIMO_Out"] = part_o.view(B, H, n_tiles, R, P).sum((0, 2))
     if x["fuse_norm"] and x["norm_weight"] is not None:
         grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
-    del part_o, part_z, part_w
+    del part_o, part_z, part_w, tile
     g = chunk_grads.raw_y_grads(
         q=c["Q"], k=c["K"], v=c["V"], q_bias=c["Q_bias"], k_bias=c["K_bias"],
         mimo_v=c["MIMO_V"], d=stand if x["D"] is None else x["D"].contiguous(),
