@@ -46,9 +46,12 @@ def _grads(a, i):
     return found
 
 
-def _run(fn, a, i, seed=5, **kw):
-    """(outputs, gradients) of a seeded random linear loss on the five outputs."""
-    outs = fn(**a, return_state=True, initial_state=i, **kw)
+def _run(fn, a, i, seed=5, return_state=True, **kw):
+    """(outputs, gradients) of a seeded random linear loss on the five outputs (on out alone
+    without return_state)."""
+    outs = fn(**a, return_state=return_state, initial_state=i, **kw)
+    if not return_state:
+        outs = (outs,)
     gen = torch.Generator().manual_seed(seed)
     loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=F64).to(o.device)).sum()
                for o in outs)
@@ -93,6 +96,20 @@ def test_against_references(case, scan):
         assert set(got_grads) == set(want_grads)
         _assert_within(got_out, want_out, f"{ref.__name__} outputs")
         _assert_within(got_grads, want_grads, f"{ref.__name__} gradients")
+
+
+def test_training_call_from_a_state():
+    """Without return_state (the output stage on chunk_output's tiles, here three tiles of
+    four chunks) from a given state: out and every gradient, the initial state's included,
+    against the float64 reference."""
+    args = make_args(B=2, S=37, H=4, G=2, R=3, N=12, P=10, chunk_size=4, seed=45)
+    a, i = _ours(args, state_for(args, seed=46))
+    got_out, got_grads = _run(mamba3_mimo, a, i, return_state=False)
+    ra, ri = _f64(a, i)
+    want_out, want_grads = _run(mamba3_mimo_reference, ra, ri, return_state=False)
+    assert set(got_grads) == set(want_grads)
+    _assert_within(got_out, want_out, "outputs")
+    _assert_within(got_grads, want_grads, "gradients")
 
 
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_start", "given_start"])
