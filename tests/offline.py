@@ -93,8 +93,8 @@ def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
                       fused_norm: bool = False) -> List[tuple]:
     """(fn, grid, args, options) of every launch of one forward and backward of the whole
     operator on this shape (bf16 inputs, D on), of a forward with the final states and of one
-    decode step (mamba3_mimo_step), recorded on CPU tensors without launching anything (the recorded calls do nothing, so the
-    values computed are meaningless)."""
+    decode step (mamba3_mimo_step), recorded on CPU tensors without launching anything (the
+    recorded calls do nothing, so the values computed are meaningless)."""
     if interpreter_active():
         raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing")
     from triton.runtime.jit import JITFunction

@@ -1,5 +1,7 @@
 """Production output pass: raw_y of every tile of U consecutive chunks in parallel, then qk_dot,
-dz and the per-rank partial sums of dmimo_o / dmimo_z.
+dz and the per-rank partial sums of dmimo_o / dmimo_z (bwd_fwd). The whole operator runs the
+same tiles in two more modes: its output (FORWARD), and its output stage's gradients with
+d raw_y for phase 2 (GRAD).
 
 Grid (B*H * tiles, P blocks). For each tile: scores = Qr Kr^T and inter = Qr states[first chunk]
 accumulate over N-pair blocks, then raw_y = (scores * causal weights) psi_v + exp(decay since

@@ -1,12 +1,14 @@
 """The whole differentiable operator `mamba3_mimo(...)` (SPEC section 6), upstream's signature: the
 argument checks, the call's preparation (the preprocessing, step_terms' tables and the state
-pass), and one autograd Function whose forward writes the output (chunk_forward) and whose
-backward recomputes the states, runs the output stage's gradient (chunk_forward with GRAD) and
-phase 2 (chunk_grads), then reduces the gradients to the inputs.
+pass), and one autograd Function whose forward writes the output and whose backward recomputes
+the states, runs the output stage's gradient and phase 2 (chunk_grads), then reduces the
+gradients to the inputs. The output stage runs on chunk_output's tiles (bwd_fwd's kernel, in
+its FORWARD and GRAD modes) where training calls the operator, MIMO_Out given and no fused
+norm; on chunk_forward otherwise (the final states, the norm, the per-rank output).
 
 Calls may start from a given state (SPEC section 7) and pack several sequences into one batch
-entry (cu_seqlens: the layout of phases/packed.py). First form: whole-chunk kernels (launch
-options tuned, the design not yet) and the tail padded by host-side copies.
+entry (cu_seqlens: the layout of phases/packed.py). Phase 2 is a first form (whole-chunk
+kernels, launch options tuned, the design not yet); the tail is padded by host-side copies.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import configs
-from ..kernels import chunk_forward, chunk_grads, chunk_output, chunk_state, preprocess, step_terms
+from ..kernels import (chunk_forward, chunk_grads, chunk_output, chunk_state, preprocess,
+                       step_terms)
 from ..problem import Problem
 from ..runtime import resources
 from ..runtime.device import check_device, on_device
