@@ -142,17 +142,29 @@ def _add_last_rows(t: Tensor, val: Tensor, pk: Optional[Packing], S: int) -> Non
         t[0].index_add_(0, pk.lasts, val.to(t.dtype))
 
 
+def kernel_constants(pb: Problem, tiles: bool = False) -> configs.Constants:
+    """The kernels' constants of a call in its layout: one chunk per program (U = 1:
+    chunk_forward, phase 2), or with `tiles` chunk_output's tiles of configs.tile_chunks chunks
+    (step_terms' decays are then relative to a tile's start)."""
+    m = configs.constants(dataclasses.replace(pb, C=kernel_chunk(pb)))
+    return m if tiles else dataclasses.replace(m, U=1, TPO=m.TP)
+
+
+def several_chunk_tiles(x: dict, pk: Optional[Packing]) -> bool:
+    """Whether the output stage may run on tiles of several chunks: on chunk_output's stage
+    (tiled_output) and without packed sequences, where a tile would carry one sequence's state
+    into the next."""
+    return tiled_output(x) and pk is None
+
+
 def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None, tiles: bool = False) -> dict:
     """The kernels' view of a call in its layout: the sequence inputs padded to whole chunks,
     the rotation angles and decay pieces (preprocess), step_terms' tables and the states
-    entering each chunk (the state pass), with the kernels' constants `m`: U = 1 (one chunk per
-    program: chunk_forward, phase 2), or with `tiles` chunk_output's tiles of
-    configs.tile_chunks chunks (step_terms' decays are then relative to a tile's start)."""
-    C = kernel_chunk(pb)
+    entering each chunk (the state pass), with the kernels' constants `m` (kernel_constants,
+    `tiles` as there)."""
+    m = kernel_constants(pb, tiles)
+    C = m.C
     kpb = dataclasses.replace(pb, C=C)
-    m = configs.constants(kpb)
-    if not tiles:
-        m = dataclasses.replace(m, U=1, TPO=m.TP)
     S_pad = m.S_pad
     a = {name: _pad_steps(x[name], 1, S_pad) for name in ("Q", "K", "V", "Z")}
     if a["Z"] is not None:
@@ -328,8 +340,7 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     states' few small ops are a visible share of a small shape's host time)."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     tiled = tiled_output(x) and not with_states
-    # tiles of several chunks only without packing: a tile would cross a sequence's end
-    c = prepare(lpb, xl, pk, tiles=tiled and pk is None)
+    c = prepare(lpb, xl, pk, tiles=tiled and several_chunk_tiles(x, pk))
     m = c["m"]
     dev, stand = pb.device, placeholder(pb.device)
     ranks = () if x["MIMO_Out"] is not None else (pb.R,)
@@ -467,8 +478,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     # the output stage's gradients on chunk_output's tiles of several chunks where a chunk has
     # fewer than a tile's rows, with step_terms' tables of those tiles (phase 2's are per chunk)
     tile = c
-    if tiled_output(x) and pk is None:  # a tile would cross a packed sequence's end
-        mt = configs.constants(dataclasses.replace(lpb, C=m.C))
+    if several_chunk_tiles(x, pk):
+        mt = kernel_constants(lpb, tiles=True)
         if mt.U > 1:
             tile = dict(c, m=mt, **step_tables(mt, c, c["angles"]))
     n_tiles = -(-m.nc // tile["m"].U)
