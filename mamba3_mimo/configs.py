@@ -170,6 +170,18 @@ def kernel_chunk_size(C: int, R: int) -> int:
                if C % c == 0 and (c == 1 or _tile_fits(c, R, TILE_ROWS)))
 
 
+@functools.lru_cache(maxsize=None)
+def joined_chunk_size(C: int, R: int) -> int:
+    """The whole operator's chunk length for a kernel chunk C: C doubled while its tile stays
+    within TILE_ROWS, so that every chunk of phase 2 and the output stage fills a tile (C = 8,
+    R = 4 runs chunks of 16). The chunked form holds for any chunk length, and fewer chunks
+    hold fewer states. Phase 2 over 32-row chunks took 1.6-3x as long per step as over 64-row
+    ones on the H200 (docs/performance.md)."""
+    while _tile_fits(2 * C, R, TILE_ROWS):
+        C *= 2
+    return C
+
+
 def check_tile_rows(C: int, R: int) -> None:
     """Raise NotImplementedError, naming chunk_size and R, for chunks larger than the kernels'
     tiles (next_pow2(chunk_size) * next_pow2(R) > MAX_TILE_ROWS)."""

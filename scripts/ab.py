@@ -141,7 +141,7 @@ def grads_rule(variant: dict) -> None:
     from mamba3_mimo.kernels import chunk_grads
     if "grads_cfg" in variant:
         rule = chunk_grads.config
-        chunk_grads.config = lambda N, P: dataclasses.replace(rule(N, P), **variant["grads_cfg"])
+        chunk_grads.config = lambda *a: dataclasses.replace(rule(*a), **variant["grads_cfg"])
 
 
 def operator_errors(shape, dev: str) -> dict:

@@ -112,10 +112,10 @@ def _check_against_autograd(shape: Shape, d_skip: bool, seed: int) -> None:
     assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
 
 
-@pytest.mark.parametrize("heads", [None, 1, 2], ids=["whole_group", "one", "two"])
-def test_heads_per_program(monkeypatch, heads):
-    """Three heads per group walked by one program, one program per head, or blocks of two (the
-    last block partial): dq and dk summed over the blocks' planes, every gradient within the
-    fp32 threshold of float64 autograd."""
-    monkeypatch.setattr(chunk_grads, "HEADS_PER_PROGRAM", heads)
-    _check_against_autograd(Shape(1, 9, 6, 2, 8, 6, 2, 4), True, seed=5)
+def test_blocks(monkeypatch):
+    """Several pair blocks of N (24 pairs in blocks of 16) and P blocks (40 columns in blocks of
+    16) in both kernels, groups of three heads: every gradient within the fp32 threshold of
+    float64 autograd (the pair blocks' shares of the per-step sums added by chunk_grads_v)."""
+    monkeypatch.setattr(chunk_grads, "config", lambda *shape: chunk_grads.GradsConfig(
+        BJ=16, BP=16, V_BJ=16, V_BP=16, STATE_BJ=16, STATE_BP=16))
+    _check_against_autograd(Shape(1, 9, 6, 2, 48, 40, 2, 4, rotary_dim_divisor=2), True, seed=5)

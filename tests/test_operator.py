@@ -245,8 +245,8 @@ def test_operator_in_several_blocks(monkeypatch, op_kw, make_kw):
     gradient against the float64 reference."""
     from mamba3_mimo.kernels import chunk_forward, chunk_grads
     monkeypatch.setattr(chunk_forward, "block_pairs", lambda P: 16)
-    monkeypatch.setattr(chunk_grads, "config", lambda N, P: chunk_grads.GradsConfig(
-        BJ=16, BP=16, num_stages=2, STATE_BJ=16, STATE_BP=16))
+    monkeypatch.setattr(chunk_grads, "config", lambda *shape: chunk_grads.GradsConfig(
+        BJ=16, BP=16, V_BJ=16, V_BP=16, STATE_BJ=16, STATE_BP=16))
     args = make_args(B=1, S=10, H=2, G=1, R=2, N=48, P=40, chunk_size=4, **make_kw)
     w = 1 + 0.3 * torch.randn(2, 40, generator=torch.Generator().manual_seed(4),
                               dtype=F64) if op_kw else None

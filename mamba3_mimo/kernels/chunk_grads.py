@@ -1,23 +1,25 @@
-"""Phase 2 of the backward (the operator's bwd_bwd), first form: the gradients of raw_y with respect
-to everything it is computed from, given d raw_y.
-
-Two kernels over whole tiles (one chunk, all N pair columns and all P columns per program; a
-form for correctness, not yet tuned):
+"""Phase 2 of the backward (the operator's bwd_bwd): the gradients of raw_y with respect to
+everything it is computed from, given dy = d raw_y. Three kernels, in this order:
 
 - `state_grad_kernel`: the reverse of the state recurrence. dstates[c] is the gradient with
   respect to the state entering chunk c: dstates[nc] = d final state (zero when the final state
   is not used), dstates[c] = dstates[c+1] exp(da_cs[end of c]) + sum_{t in c, r}
-  exp(da_cs[t]) qr[t, r] (x) dy[t, r].
-- `chunk_grads_kernel`: per (b, h, chunk c), with Sc = Qr Kr^T, dP = dY PsiV^T and the causal
-  weights W (exp(segsum) trap_scale[t'] before the diagonal, gamma on it):
-  dQr = (dP * W) Kr + exp(da_cs) dY states[c]^T, dKr = (dP * W)^T Qr + K_DECAY PsiV
-  dstates[c+1]^T, dPsiV = (Sc * W)^T dY + K_DECAY Kr dstates[c+1] + D dY; d gamma and d
-  trap_scale from Sc * dP; the gradient of ADT through da_cs, da_cs_rev and segsum (chunk-local,
-  with the state recurrence's exp(da_cs[end]) term); then dQr and dKr rotated back (the
-  gradients of q + q_bias and k + k_bias) and the angles' gradient sum_r (dqr2 qr1 - dqr1 qr2)
-  plus k's.
+  exp(da_cs[t]) qr[t, r] (x) dy[t, r]. One program per (b, h, block of the state) walks the
+  chunks from the last, loading chunk c - 1's inputs while it adds chunk c.
+- `chunk_grads_qk_kernel`: per (block of pairs of N, b*g, chunk c), over the group's heads, with
+  dP = dY PsiV^T and the causal weights W (exp(segsum) trap_scale[t'] before the diagonal, gamma
+  on it): dQr = (dP * W) Kr + exp(da_cs) dY states[c]^T and dKr = (dP * W)^T Qr + K_DECAY PsiV
+  dstates[c+1]^T, rotated back (the gradients of q + q_bias and k + k_bias, summed over the
+  heads in registers) and the angles' gradient sum_r (dqr2 qr1 - dqr1 qr2) plus k's; and the
+  block's shares of two per-step sums for the next kernel.
+- `chunk_grads_v_kernel`: per (b*h, chunk c), with Sc = Qr Kr^T: dPsiV = (Sc * W)^T dY +
+  K_DECAY Kr dstates[c+1] + D dY (into dV, dPsi, dD); d gamma and d trap_scale from Sc * dP; the
+  gradient of ADT through da_cs, da_cs_rev and segsum (chunk-local, with the state recurrence's
+  exp(da_cs[end]) term).
 
-Rows are (step, rank) pairs as in chunk_output (row = t * RP + r).
+Each chunk kernel holds the chunk's (step, rank) rows (row = t * RP + r, as in chunk_output) and
+one pair block or one P block of the rest at a time; splitting the gradients this way keeps the
+largest live tiles to about three [rows, rows] or [rows, block] fp32 tiles per program.
 """
 from dataclasses import dataclass
 
@@ -25,10 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import configs
 from ..runtime.device import on_device
 from ..runtime.launcher import Launch
-from . import next_pow2
-from .common import chain, chunk_rows, load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows
+from . import input_align, next_pow2
+from .common import (chain, chunk_rows, load_cos_sin, load_mimo_v, load_pair_columns,
+                     load_rotated, mac, rotate_pairs)
 from .step_terms import Q_DECAY
 from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block, psiv_block,
                           rows_of_steps, state_block, step_sums, steps_of_rows)
@@ -67,239 +71,295 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_
     bias_off = (h * R + r) * N
     row = bh * S_pad
     y_row = (t * R + r) * H * P  # a row's dy inside the chunk's steps
+    b1, b2 = load_pair_columns(q_bias, bias_off, rows, j0, BJ, HALF, 1)
+    # Software-pipelined: chunk c - 1's inputs are loaded while chunk c is added, so that the
+    # walk waits for memory about once rather than once per chunk (the forward's fused scan
+    # does the same).
+    x1, x2, cs, sn, w, d_y, decay = _scan_inputs(
+        q_h, cos, sin, terms, dy, da_cs, lo + n_ch - 1, n_ch > 0, t, r, rows, p, pm, j0, b, h,
+        row, plane, y_row, S_pad, R, H, C, HALF, P, RD, sqs, sqr, sqn, BJ)
     for i in range(n_ch):
         c = lo + n_ch - 1 - i
-        s0 = tl.cast(c, tl.int64) * C
-        cs, sn, q1, q2 = pair_block(q_h + s0 * sqs, t * sqs + r * sqr, rows, q_bias, bias_off,
-                                    cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, j0,
-                                    HALF, RD, sqn, BJ)
-        w = tl.load(terms + Q_DECAY * plane + row + s0 + t, mask=rows, other=0.0)
-        d_y = tl.load(dy + ((b * S_pad + s0) * R * H + h) * P + y_row[:, None] + p[None, :],
-                      mask=rows[:, None] & pm[None, :], other=0.0)
-        decay = tl.exp(tl.load(da_cs + row + s0 + C - 1))
+        nx1, nx2, ncs, nsn, nw, nd_y, ndecay = _scan_inputs(
+            q_h, cos, sin, terms, dy, da_cs, c - 1, i + 1 < n_ch, t, r, rows, p, pm, j0, b, h,
+            row, plane, y_row, S_pad, R, H, C, HALF, P, RD, sqs, sqr, sqn, BJ)
+        q1, q2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
         run1 = mac(run1 * decay, tl.trans(q1 * w[:, None]), d_y, PREC)
         run2 = mac(run2 * decay, tl.trans(q2 * w[:, None]), d_y, PREC)
         ds_c = ds + c * N * P
         tl.store(ds_c + st_off, run1, mask=jm)
         tl.store(ds_c + HALF * P + st_off, run2, mask=jm)
+        x1, x2, cs, sn, w, d_y, decay = nx1, nx2, ncs, nsn, nw, nd_y, ndecay
 
 
 @triton.jit
-def _add_block(x, part, off, part_off, val, mask, part_mask, ADD):
-    """x[off] = val, or x[off] + val where ADD (a later head of the group), and the block's sums
-    over the steps ([rows, BJ] -> [RP, BJ], the head's share of its bias gradient) at
-    part[part_off]."""
+def _scan_inputs(q_h, cos, sin, terms, dy, da_cs, c, ok, t, r, rows, p, pm, j0, b, h, row, plane,
+                 y_row, S_pad, R, H, C, HALF, P, RD, sqs, sqr, sqn, BJ: tl.constexpr):
+    """What the reverse scan reads of chunk c (nothing, the tiles zero and the decay 1, unless
+    ok): q's pair columns as stored, cos and sin [rows, BJ], Q_DECAY per row, dy [rows, BP] and
+    the chunk's decay exp(da_cs at its last step)."""
+    s0 = tl.cast(c, tl.int64) * C
+    live = rows & ok
+    x1, x2 = load_pair_columns(q_h + s0 * sqs, t * sqs + r * sqr, live, j0, BJ, HALF, sqn)
+    cs, sn = load_cos_sin(cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, live, j0, BJ, RD)
+    w = tl.load(terms + Q_DECAY * plane + row + s0 + t, mask=live, other=0.0)
+    d_y = tl.load(dy + ((b * S_pad + s0) * R * H + h) * P + y_row[:, None] + p[None, :],
+                  mask=live[:, None] & pm[None, :], other=0.0)
+    decay = tl.exp(tl.load(da_cs + row + s0 + C - 1, mask=ok, other=0.0))
+    return x1, x2, cs, sn, w, d_y, decay
+
+
+@triton.jit
+def _head_chunk(q, k, v, mimo_v, cos, sin, terms, segsum, dy, t, r, b, h, c, S_pad, nc, plane, H,
+                HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh,
+                TP: tl.constexpr, BA: tl.constexpr):
+    """Where chunk c of (b, h) reads (chunk_pointers; the batch strides sqb, skb, svb come
+    divided by BA, kernels.input_align, so that the 16-bit loads of q, k and v are wide), its
+    per-step terms (chunk_terms) and its rows of dy [B, S_pad, R, H, P] (the chunk's first row
+    and each row's offset)."""
+    bh = b * H + h
+    row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
+        q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb * BA, sqs,
+        sqr, sqg, skb * BA, sks, skr, skg, svb * BA, svs, svh)
+    rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
+        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
+    y_at = dy + ((b * S_pad + c * C) * R * H + h) * P
+    y_row = (t * R + r) * H * P
+    return (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows,
+            ts, steps, gamma, trap_scale, k_decay, q_decay, e, w, y_at, y_row)
+
+
+@triton.jit
+def _bias_share(part, part_off, val, part_mask):
+    """val, a head's block of dQ or dK rotated back ([rows, BJ]), returned after storing its sums
+    over the steps ([RP, BJ], the head's share of its bias gradient) at part[part_off]."""
     TPR: tl.constexpr = val.shape[0]
     BJ: tl.constexpr = val.shape[1]
     RP: tl.constexpr = part_off.shape[0]
     tl.store(part + part_off, tl.sum(tl.reshape(val, (TPR // RP, RP, BJ)), axis=0),
              mask=part_mask)
-    if ADD:
-        val += tl.load(x + off, mask=mask, other=0.0)
-    tl.store(x + off, val, mask=mask)
+    return val
 
 
-@triton.jit(do_not_specialize=["S_pad", "n_bg", "nc", "plane", "sqb", "skb", "svb",
-                               "head_plane"])
-def chunk_grads_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
-                       segsum, dy, states, dstates, dq, dk, part_qb, part_kb, dv, part_psi,
-                       part_d, d_angles, d_gamma, d_trap_scale, d_adt, S_pad, n_bg, nc, plane, H,
-                       G, HG, HPB, n_hb, head_plane, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn, skb,
-                       sks, skr, skg, skn, svb, svs, svh, svp,
-                       TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                       HAS_D: tl.constexpr, PREC: tl.constexpr):
-    """One (b*g, block of HPB heads, chunk) per program (b*g fastest on grid axis 0, then the
-    n_hb head blocks), for the heads of its block of group g in turn; N in blocks of BJ pairs
-    and P in blocks of BP columns. Writes dq, dk [n_hb, B, S_pad, R, G, N] (of q and k, summed
-    over the block's heads; head block i at i * head_plane, whose sum over the blocks is the
-    gradient) with each head's share of the bias gradients
-    (part_qb, part_kb [B, nc, H, R, N]), dv [B, S_pad, H, P], d_angles
-    [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad] and the chunk's shares of
-    dPsi (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc], HAS_D), all fp32; reads dy
-    [B, S_pad, R, H, P], states [B, H, nc, N, P] and dstates [B, H, nc + 1, N, P] (fp32)."""
+@triton.jit(do_not_specialize=["S_pad", "n_bg", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
+def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum, dy, states,
+                          dstates, dq, dk, part_qb, part_kb, d_angles, part_cs, part_carried,
+                          S_pad, n_bg, n_bh, nc, plane, H, G, HG, R, C, N, HALF, P, RD, sqb, sqs, sqr, sqg,
+                          sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
+                          TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
+                          BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr):
+    """dQr = (dP W) Kr + Q_DECAY dY states[c]^T and dKr = (dP W)^T Qr + K_DECAY PsiV
+    dstates[c + 1]^T on one block of BJ pair columns, rotated back and summed over the heads of a
+    group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
+    programs that read the same dy run together); the group's heads in turn, each with its own
+    dP = dY PsiV^T over P in blocks of BP columns. Writes dq, dk [B, S_pad, R, G, N], each head's
+    share of the bias gradients (part_qb, part_kb [B, nc, H, R, N]), d_angles [B, S_pad, H, RD]
+    on the block's pairs, and for chunk_grads_v_kernel the block's shares of sum_n Qr dQr's
+    inter-chunk term per step (part_cs [n_jb, B*H, S_pad]) and of <dstates[c + 1], states[c]>
+    (part_carried [n_jb, B*H, nc]); all fp32."""
     pid = tl.program_id(0)
-    bg, rest = (pid % n_bg).to(tl.int64), pid // n_bg
-    hb, c = rest % n_hb, (rest // n_hb).to(tl.int64)
+    n_jb = tl.cdiv(HALF, BJ)
+    jb = pid % n_jb
+    rest = pid // n_jb
+    bg, c = (rest % n_bg).to(tl.int64), (rest // n_bg).to(tl.int64)
     b, g = bg // G, bg % G
-    dq += hb.to(tl.int64) * head_plane
-    dk += hb.to(tl.int64) * head_plane
-    HALF = N // 2
     ROWS: tl.constexpr = TP * RP
     t, r = chunk_rows(TP, RP)
     rk = tl.arange(0, RP)
+    j0 = jb * BJ
+    j = j0 + tl.arange(0, BJ)
     s0 = c * C
-    # the block's heads in order, each adding its dQ and dK to the previous heads' sum
-    h_lo = hb * HPB
-    for hh in range(h_lo, tl.minimum(h_lo + HPB, HG)):
+    # the rows of dq and dk [B, S_pad, R, G, N] on the block's pairs
+    n_off = ((b * S_pad + s0) * R * G + g) * N + (t * R + r) * G * N
+    sum_q1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+    sum_q2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+    sum_k1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+    sum_k2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+    for hh in range(0, HG):
         h = g * HG + hh
-        bh = b * H + h
-        row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
-            q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
-            sqg, skb, sks, skr, skg, svb, svs, svh)
-        rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
-            terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
-        y_base = ((b * S_pad + s0) * R * H + h) * P  # the chunk's first row of dy
-        y_at = dy + y_base
-        y_row = (t * R + r) * H * P
+        (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
+         steps, gamma, trap_scale, k_decay, q_decay, e, w, y_at, y_row) = _head_chunk(
+            q, k, v, mimo_v, cos, sin, terms, segsum, dy, t, r, b, h, c, S_pad, nc, plane, H, HG,
+            R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
         st_at = states + (bh * nc + c) * N * P
         ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
-        sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
-                          cs_off, HALF, RD, sqn, skn, BJ, PREC)
-        dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)  # dY PsiV^T
+        # one walk over P: dP = dY PsiV^T, dY states^T and PsiV dstates^T on the block's pairs
+        dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)
+        dq1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        dq2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        dk1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        dk2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+        carried = 0.0
         for p0 in range(0, P, BP):
             p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
             d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
                           other=0.0)
+            st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
+            ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
             dp = mac(dp, d_y, tl.trans(psiv), PREC)
-        sdp = steps_of_rows(sc * dp, RP)  # sum over the ranks of Sc * dP, per pair of steps
-        w_rows = rows_of_steps(w, RP)
-        sw = sc * w_rows
-        # P blocks: dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY, into dV, dPsi and dD
-        v_base = ((b * S_pad + s0) * H + h) * P  # the chunk's first step of dv
-        d_sum = 0.0  # sum dY . PsiV: the chunk's share of dD
-        for p0 in range(0, P, BP):
-            p = p0 + tl.arange(0, BP)
-            pm = p < P
-            d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                          other=0.0)
-            acc = tl.zeros([ROWS, BP], dtype=tl.float32)
-            for j0 in range(0, HALF, BJ):
-                cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
-                k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
-                                      True)
-                ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
-                acc = mac(mac(acc, k1, ds1, PREC), k2, ds2, PREC)
-            dpv = mac(k_decay[:, None] * acc, tl.trans(sw), d_y, PREC)
-            if HAS_D:
-                dpv += tl.load(d + h) * d_y
-            # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
-            mv = load_mimo_v(mv_at, R, p, pm, P, RP)
-            xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
-                         mask=steps[:, None] & pm[None, :], other=0.0).to(tl.float32)
-            dpv3 = tl.reshape(dpv, (TP, RP, BP))
-            tl.store(dv + v_base + ts[:, None] * H * P + p[None, :], tl.sum(dpv3 * mv[None], axis=1),
-                     mask=steps[:, None] & pm[None, :])
-            rk = tl.arange(0, RP)
-            tl.store(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
-                     tl.sum(dpv3 * xv[:, None, :], axis=0), mask=(rk < R)[:, None] & pm[None, :])
-            if HAS_D:
-                d_sum += tl.sum(tl.sum(d_y * psi_v_rows(xv, mv), axis=1), axis=0)
-        if HAS_D:
-            tl.store(part_d + bh * nc + c, d_sum)
-        m = dp * w_rows
-        # N blocks (after the P blocks, so that Sc W is dead and only dP W is held across
-        # them): dQr, dKr (rotated back) and the angles' gradient; the inter-chunk sums
-        d_cs_rows = tl.zeros([ROWS], dtype=tl.float32)
-        inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)
-        carried = 0.0  # <dstates[c + 1], states[c]>
-        bias_at = ((b * nc + c) * H + h) * R * N + rk[:, None] * N
-        # a row's dQ and dK [B, S_pad, R, G, N]; a block of a head's bias shares [B, nc, H, R, N]
-        n_row = ((b * S_pad + s0) * R * G + g) * N + (t * R + r) * G * N
+            dq1 = mac(dq1, d_y, tl.trans(st1), PREC)
+            dq2 = mac(dq2, d_y, tl.trans(st2), PREC)
+            dk1 = mac(dk1, psiv, tl.trans(ds1), PREC)
+            dk2 = mac(dk2, psiv, tl.trans(ds2), PREC)
+            carried += tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0)
+        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
+                                    j0, HALF, RD, sqn, BJ)
+        k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn, True)
+        dq1 = q_decay[:, None] * dq1
+        dq2 = q_decay[:, None] * dq2
+        tl.store(part_cs + (jb * n_bh + bh) * S_pad + s0 + ts,
+                 step_sums(tl.sum(q1 * dq1 + q2 * dq2, axis=1), RP), mask=steps)
+        tl.store(part_carried + (jb * n_bh + bh) * nc + c, carried)
+        m = dp * rows_of_steps(w, RP)
+        dq1 = mac(dq1, m, k1, PREC)
+        dq2 = mac(dq2, m, k2, PREC)
+        dk1 = mac(k_decay[:, None] * dk1, tl.trans(m), q1, PREC)
+        dk2 = mac(k_decay[:, None] * dk2, tl.trans(m), q2, PREC)
+        d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
         a_at = ((b * S_pad + s0) * H + h) * RD + ts * H * RD  # a step's d_angles
+        tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
+                 mask=steps[:, None] & (j < RD)[None, :])
+        # rotated back (the gradients of x + bias), with the head's shares of the bias gradients
+        bias_at = ((b * nc + c) * H + h) * R * N + rk[:, None] * N + j[None, :]
+        bm = (rk < R)[:, None] & (j < HALF)[None, :]
+        sum_q1 += _bias_share(part_qb, bias_at, cs * dq1 + sn * dq2, bm)
+        sum_q2 += _bias_share(part_qb, bias_at + HALF, cs * dq2 - sn * dq1, bm)
+        sum_k1 += _bias_share(part_kb, bias_at, cs * dk1 + sn * dk2, bm)
+        sum_k2 += _bias_share(part_kb, bias_at + HALF, cs * dk2 - sn * dk1, bm)
+    hm = ((t < C) & (r < R))[:, None] & (j < HALF)[None, :]
+    off = n_off[:, None] + j[None, :]
+    tl.store(dq + off, sum_q1, mask=hm)
+    tl.store(dq + off + HALF, sum_q2, mask=hm)
+    tl.store(dk + off, sum_k1, mask=hm)
+    tl.store(dk + off + HALF, sum_k2, mask=hm)
+
+
+@triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
+def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
+                         segsum, dy, dstates, part_cs, part_carried, dv, part_psi, part_d,
+                         d_gamma, d_trap_scale, d_adt, S_pad, n_bh, n_jb, nc, plane, H, HG, R, C,
+                         N, HALF, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs,
+                         svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
+                         BP: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
+                         BA: tl.constexpr):
+    """dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY with Sc = Qr Kr^T, and the per-step
+    gradients, per (b*h, chunk) (b*h fastest: a group's heads read the same q and k together).
+    Sc in one walk over N in blocks of BJ pairs; then per block of BP columns of P, Kr
+    dstates[c + 1] in a second walk over N, dP = dY PsiV^T and dPsiV, which gives dv
+    [B, S_pad, H, P], the chunk's shares of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d
+    [B*H, nc], HAS_D). Then d_gamma, d_trap_scale and d_adt [B, H, S_pad] from Sc dP summed over
+    the ranks and chunk_grads_qk_kernel's shares part_cs, part_carried (added over its n_jb
+    blocks in order); all fp32."""
+    pid = tl.program_id(0)
+    bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
+    b, h = bh // H, bh % H
+    ROWS: tl.constexpr = TP * RP
+    t, r = chunk_rows(TP, RP)
+    rk = tl.arange(0, RP)
+    s0 = c * C
+    (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
+     steps, gamma, trap_scale, k_decay, q_decay, e, w, y_at, y_row) = _head_chunk(
+        q, k, v, mimo_v, cos, sin, terms, segsum, dy, t, r, b, h, c, S_pad, nc, plane, H, HG, R,
+        C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
+    ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
+    sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
+                      cs_off, HALF, RD, sqn, skn, BJ, PREC)
+    sdp = tl.zeros([TP, TP], dtype=tl.float32)  # Sc dP summed over the ranks, per pair of steps
+    inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)  # Kr . dstates[c + 1] PsiV per row
+    v_base = ((b * S_pad + s0) * H + h) * P  # the chunk's first step of dv
+    d_sum = 0.0  # sum dY . PsiV: the chunk's share of dD
+    for p0 in range(0, P, BP):
+        kd = tl.zeros([ROWS, BP], dtype=tl.float32)  # Kr dstates[c + 1]
         for j0 in range(0, HALF, BJ):
-            cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
-                                        j0, HALF, RD, sqn, BJ)
+            cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
             k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
                                   True)
-            dqi1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
-            dqi2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
-            pk1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
-            pk2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
-            for p0 in range(0, P, BP):
-                p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-                d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                              other=0.0)
-                st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
-                ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
-                dqi1 = mac(dqi1, d_y, tl.trans(st1), PREC)
-                dqi2 = mac(dqi2, d_y, tl.trans(st2), PREC)
-                pk1 = mac(pk1, psiv, tl.trans(ds1), PREC)
-                pk2 = mac(pk2, psiv, tl.trans(ds2), PREC)
-                carried += tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0)
-            dqi1 = q_decay[:, None] * dqi1
-            dqi2 = q_decay[:, None] * dqi2
-            d_cs_rows += tl.sum(q1 * dqi1 + q2 * dqi2, axis=1)
-            inter_k_rows += tl.sum(k1 * pk1 + k2 * pk2, axis=1)
-            dq1 = mac(dqi1, m, k1, PREC)
-            dq2 = mac(dqi2, m, k2, PREC)
-            dk1 = mac(k_decay[:, None] * pk1, tl.trans(m), q1, PREC)
-            dk2 = mac(k_decay[:, None] * pk2, tl.trans(m), q2, PREC)
-            j = j0 + tl.arange(0, BJ)
-            hm = rows[:, None] & (j < HALF)[None, :]
-            off = n_row[:, None] + j[None, :]
-            bm = (rk < R)[:, None] & (j < HALF)[None, :]
-            _add_block(dq, part_qb, off, bias_at + j[None, :], cs * dq1 + sn * dq2, hm, bm, hh > h_lo)
-            _add_block(dq, part_qb, off + HALF, bias_at + HALF + j[None, :], cs * dq2 - sn * dq1, hm,
-                       bm, hh > h_lo)
-            _add_block(dk, part_kb, off, bias_at + j[None, :], cs * dk1 + sn * dk2, hm, bm, hh > h_lo)
-            _add_block(dk, part_kb, off + HALF, bias_at + HALF + j[None, :], cs * dk2 - sn * dk1, hm,
-                       bm, hh > h_lo)
-            d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
-            tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
-                     mask=steps[:, None] & (j < RD)[None, :])
-        # per-step gradients: gamma, trap_scale and ADT through the decay pieces
-        rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
-        diag = (ts[None, :] == ts[:, None]) & steps[:, None]
-        d_gam = tl.sum(tl.where(diag, sdp, 0.0), axis=1)
-        inter_k = step_sums(inter_k_rows, RP)  # Kr . dstates[c + 1] PsiV per step
-        d_ts = tl.sum(e * sdp, axis=0) + tl.exp(rev) * inter_k
-        d_rev = trap_scale * tl.exp(rev) * inter_k
-        d_cs = step_sums(d_cs_rows, RP)
-        # the state recurrence's decay of the entering state over the chunk, exp(da_cs[end])
-        end_decay = tl.exp(tl.load(da_cs + row + C - 1))
-        d_cs += tl.where(ts == C - 1, carried * end_decay, 0.0)
-        d_seg = sdp * e * trap_scale[None, :]  # [i, j], zero unless j < i
-        # ADT[u] enters da_cs[t] for t >= u, da_cs_rev[t] for t < u, segsum[i, j] for j < u <= i
-        u = ts
-        d_x = tl.sum(tl.where(ts[None, :] >= u[:, None], d_cs[None, :], 0.0), axis=1)
-        d_x += tl.sum(tl.where(ts[None, :] < u[:, None], d_rev[None, :], 0.0), axis=1)
-        below = tl.cumsum(d_seg, axis=1) - d_seg  # [i, u]: sum over j < u
-        d_x += tl.sum(tl.where(ts[:, None] >= u[None, :], below, 0.0), axis=0)
-        tl.store(d_gamma + row + ts, d_gam, mask=steps)
-        tl.store(d_trap_scale + row + ts, d_ts, mask=steps)
-        tl.store(d_adt + row + ts, d_x, mask=steps)
-        # the next head reads this head's dQ and dK sums: the barrier orders them
-        tl.debug_barrier()
+            ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+            kd = mac(mac(kd, k1, ds1, PREC), k2, ds2, PREC)
+        p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+        d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                      other=0.0)
+        sdp += steps_of_rows(sc * tl.dot(d_y, tl.trans(psiv), input_precision=PREC), RP)
+        inter_k_rows += tl.sum(psiv * kd, axis=1)
+        dpv = mac(k_decay[:, None] * kd, tl.trans(sc * rows_of_steps(w, RP)), d_y, PREC)
+        if HAS_D:
+            dpv += tl.load(d + h) * d_y
+            d_sum += tl.sum(tl.sum(d_y * psiv, axis=1), axis=0)
+        # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
+        mv = load_mimo_v(mv_at, R, p, pm, P, RP)
+        xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
+                     mask=steps[:, None] & pm[None, :], other=0.0).to(tl.float32)
+        dpv3 = tl.reshape(dpv, (TP, RP, BP))
+        tl.store(dv + v_base + ts[:, None] * H * P + p[None, :], tl.sum(dpv3 * mv[None], axis=1),
+                 mask=steps[:, None] & pm[None, :])
+        tl.store(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
+                 tl.sum(dpv3 * xv[:, None, :], axis=0), mask=(rk < R)[:, None] & pm[None, :])
+    if HAS_D:
+        tl.store(part_d + bh * nc + c, d_sum)
+    # chunk_grads_qk_kernel's shares, added over its pair blocks in order
+    d_cs = tl.zeros([TP], dtype=tl.float32)  # sum_n Qr dQr's inter-chunk term per step
+    carried = 0.0  # <dstates[c + 1], states[c]>
+    for jb in range(0, n_jb):
+        d_cs += tl.load(part_cs + (jb * n_bh + bh) * S_pad + s0 + ts, mask=steps, other=0.0)
+        carried += tl.load(part_carried + (jb * n_bh + bh) * nc + c)
+    # per-step gradients: gamma, trap_scale and ADT through the decay pieces
+    rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
+    diag = (ts[None, :] == ts[:, None]) & steps[:, None]
+    d_gam = tl.sum(tl.where(diag, sdp, 0.0), axis=1)
+    inter_k = step_sums(inter_k_rows, RP)
+    d_ts = tl.sum(e * sdp, axis=0) + tl.exp(rev) * inter_k
+    d_rev = trap_scale * tl.exp(rev) * inter_k
+    # the state recurrence's decay of the entering state over the chunk, exp(da_cs[end])
+    end_decay = tl.exp(tl.load(da_cs + row + C - 1))
+    d_cs += tl.where(ts == C - 1, carried * end_decay, 0.0)
+    d_seg = sdp * e * trap_scale[None, :]  # [i, j], zero unless j < i
+    # ADT[u] enters da_cs[t] for t >= u, da_cs_rev[t] for t < u, segsum[i, j] for j < u <= i
+    u = ts
+    d_x = tl.sum(tl.where(ts[None, :] >= u[:, None], d_cs[None, :], 0.0), axis=1)
+    d_x += tl.sum(tl.where(ts[None, :] < u[:, None], d_rev[None, :], 0.0), axis=1)
+    below = tl.cumsum(d_seg, axis=1) - d_seg  # [i, u]: sum over j < u
+    d_x += tl.sum(tl.where(ts[:, None] >= u[None, :], below, 0.0), axis=0)
+    tl.store(d_gamma + row + ts, d_gam, mask=steps)
+    tl.store(d_trap_scale + row + ts, d_ts, mask=steps)
+    tl.store(d_adt + row + ts, d_x, mask=steps)
 
 
 @dataclass(frozen=True)
 class GradsConfig:
-    """chunk_grads' blocks of BJ pairs of N and BP columns of P and its pipeline stages; the
-    reverse scan's blocks of STATE_BJ pairs and STATE_BP columns."""
-    BJ: int
-    BP: int
-    num_stages: int
+    """Phase 2's blocks: chunk_grads_qk's BJ pairs of N per program and BP columns of P per step
+    of its walk over P; chunk_grads_v's V_BJ pairs per step of its walks over N and V_BP columns
+    of P per block; the reverse scan's STATE_BJ pairs and STATE_BP columns per program; the
+    warps of each of the two chunk kernels."""
+    BJ: int = 16
+    BP: int = 32
+    V_BJ: int = 16
+    V_BP: int = 64
     STATE_BJ: int = 64
     STATE_BP: int = 32
+    QK_WARPS: int = 4
+    V_WARPS: int = 4
 
 
-# Measured on the H200 (2026-12-03, commit 9488e56, kernel time per forward+backward,
-# docs/performance.md "The whole operator"), ms: chunk_grads at N16_P64_R4_C8 1.53 with 16 pairs
-# x 32 columns and two stages, 1.32 with 64 columns; at N128_P64_R4_C16 4.13, 3.90 with 32 pairs
-# and one stage (4.50 with 64 columns); at N64_P128_R4_C16 3.44, 3.15 with 32 pairs and one
-# stage; at N256_P64_R4_C8 10.16, 9.05 with 64 columns (11.77 with 32 pairs and one stage). The
-# reverse scan took 1.80 -> 1.22 ms at N256 and 1.29 -> 0.82 at P = 128 with 64 columns, 0.63 ->
-# 0.75 at N128_P64. 4 warps throughout (8 warps took 1.3-2x as long); register caps of 128 and
-# 168 took 1.3-1.6x as long (spills).
-OPTIONS = dict(num_warps=4)
+# The reverse scan's blocks, measured on the H200 (2026-12-03, 9488e56): 1.80 -> 1.22 ms at
+# N256_P64_R4_C8 and 1.29 -> 0.82 at N64_P128_R4_C16 with 64 columns rather than 32, 0.63 ->
+# 0.75 at N128_P64_R4_C16.
 STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 
 
-def config(N: int, P: int) -> GradsConfig:
-    """The blocks and stages of phase 2's kernels for state size N and head dimension P."""
+# chunk_grads_qk's blocks, measured on the H200 (2026-12-04, kernel time per forward+backward,
+# docs/performance.md): 32 pairs x 64 columns at 8 warps took it 1.71 -> 1.39 ms at
+# N128_P64_R4_C16, 3.36 -> 2.77 at N256_P64_R4_C8, 1.36 -> 0.96 at N64_P128_R4_C16 (32 x 32 at
+# 8 warps 1.52, 3.00, 1.15; 32 x 32 at 4 warps 2.12, 4.13, 1.38) and 0.50 -> 0.57 at
+# N16_P64_R4_C8, whose 8 pairs fill no 32-pair block. Without Hopper's wgmma (sm_80-89, sm_120)
+# every warp holds a dot's whole second operand, and that block spilled 5.6 KB per thread
+# offline (sm_89): there the 16 x 32 blocks at 4 warps.
+def config(N: int, P: int, measured: bool = True) -> GradsConfig:
+    """The blocks of phase 2's kernels for state size N and head dimension P, on a GPU whose
+    configs were measured (configs.measured_arch) or not."""
     state_bp = 64 if N >= 256 or P >= 128 else 32
-    if 64 <= N <= 128:
-        return GradsConfig(BJ=32, BP=32, num_stages=1, STATE_BP=state_bp)
-    return GradsConfig(BJ=16, BP=64, num_stages=2, STATE_BP=state_bp)
-
-
-# Heads of a group per chunk_grads program (None: the whole group, one program per (b*g,
-# chunk) that walks its heads in turn). Fewer heads per program run the blocks side by side,
-# each into its own plane of dq and dk, which a fixed-order sum then adds. Measured on the H200
-# (2026-12-03, G = 1, 16 heads): 4, 2 and 1 head per program took chunk_grads 1.10x, 1.07x and
-# 1.02x as long at N128_P64_R4_C16 and 0.97x, 0.93x, 0.84x at N256_P64_R4_C8, for 63-447 MiB
-# (N128) and 95-863 MiB (N256) more peak memory: the whole group is kept.
-HEADS_PER_PROGRAM = None
+    if N >= 64 and measured:
+        return GradsConfig(BJ=32, BP=64, QK_WARPS=8, STATE_BP=state_bp)
+    return GradsConfig(STATE_BP=state_bp)
 
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
@@ -331,12 +391,15 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
         dstates[:, :, nc].zero_()
     else:
         dstates[:, :, nc] = d_final_state
-    HG = H // G
-    HPB = HG if HEADS_PER_PROGRAM is None else max(1, min(HEADS_PER_PROGRAM, HG))
-    n_hb = -(-HG // HPB)
-    planes = dict(dq=torch.empty(n_hb, B, S_pad, R, G, N, **f32),
-                  dk=torch.empty(n_hb, B, S_pad, R, G, N, **f32))
-    out = dict(dq=planes["dq"][0], dk=planes["dk"][0],
+    # every dot dimension at least 16 (m.TP * m.RP already is)
+    TP, RP = m.TP, m.RP
+    cfg = config(N, P, configs.measured_arch(dev))
+    pairs = lambda want: max(16, min(want, next_pow2(N // 2)))  # noqa: E731
+    columns = lambda want: max(16, min(want, next_pow2(P)))  # noqa: E731
+    BJ, V_BJ, SBJ = pairs(cfg.BJ), pairs(cfg.V_BJ), pairs(cfg.STATE_BJ)
+    BP, V_BP, SBP = columns(cfg.BP), columns(cfg.V_BP), columns(cfg.STATE_BP)
+    n_jb = triton.cdiv(N // 2, BJ)
+    out = dict(dq=torch.empty(B, S_pad, R, G, N, **f32), dk=torch.empty(B, S_pad, R, G, N, **f32),
                part_qb=torch.empty(B, nc, H, R, N, **f32),
                part_kb=torch.empty(B, nc, H, R, N, **f32),
                dv=torch.empty(B, S_pad, H, P, **f32), part_psi=torch.empty(B * H, nc, R, P, **f32),
@@ -344,36 +407,36 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
                d_angles=torch.empty(B, S_pad, H, m.RD, **f32),
                d_gamma=torch.empty(B, H, S_pad, **f32), d_trap_scale=torch.empty(B, H, S_pad, **f32),
                d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates)
-    # every dot dimension at least 16 (m.TP * m.RP already is)
-    TP, RP = m.TP, m.RP
-    cfg = config(N, P)
-    pairs = lambda want: max(16, min(want, next_pow2(N // 2)))  # noqa: E731
-    columns = lambda want: max(16, min(want, next_pow2(P)))  # noqa: E731
-    BJ, BP, SBJ, SBP = pairs(cfg.BJ), columns(cfg.BP), pairs(cfg.STATE_BJ), columns(cfg.STATE_BP)
+    # chunk_grads_qk's per-block shares for chunk_grads_v
+    part_cs = torch.empty(n_jb, B * H, S_pad, **f32)
+    part_carried = torch.empty(n_jb, B * H, nc, **f32)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
-                  N=N, P=P, RD=m.RD, sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
+                  N=N, P=P, RD=m.RD, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
                   TP=TP, RP=RP, PREC=precision)
-    tables = dict(terms=terms, cos=cos, sin=sin)
+    BA = input_align(m.ALIGN, q, k, v)
+    inputs = dict(q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, terms=terms,
+                  cos=cos, sin=sin, segsum=segsum, dy=dy, dstates=dstates, sqb=qs[0] // BA,
+                  skb=ks[0] // BA, BA=BA,
+                  sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
+                  svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], n_bh=B * H, part_cs=part_cs, part_carried=part_carried,
+                  HALF=N // 2, **common)
     with on_device(dev):
         chains = B * H if bounds is None else (bounds.numel() - 1) * H
         blocks = triton.cdiv(N // 2, SBJ) * triton.cdiv(P, SBP)
         Launch(state_grad_kernel, (chains, blocks), dict(
-            q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, **tables,
-            bounds=dstates if bounds is None else bounds,
+            q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, terms=terms, cos=cos,
+            sin=sin, bounds=dstates if bounds is None else bounds,
             d_final=dstates if bounds is None else d_ends,
             VARLEN=bounds is not None,
-            n_bh=B * H, BJ=SBJ, BP=SBP, **common), STATE_OPTIONS).run()
-        Launch(chunk_grads_kernel, (B * G * n_hb * nc,), dict(
-            q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d, da_cs=da_cs,
-            da_cs_rev=da_cs_rev, segsum=segsum, dy=dy, states=states, dstates=dstates,
-            dq=planes["dq"], dk=planes["dk"], HPB=HPB, n_hb=n_hb,
-            head_plane=planes["dq"][0].numel(), part_qb=out["part_qb"], part_kb=out["part_kb"],
-            dv=out["dv"], part_psi=out["part_psi"], part_d=out["part_d"], d_angles=out["d_angles"],
-            d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"], d_adt=out["d_adt"],
-            skb=ks[0], sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1],
-            svh=vs[2], svp=vs[3], n_bg=B * G, G=G, HAS_D=m.HAS_D, BJ=BJ, BP=BP, **tables,
-            **common), dict(OPTIONS, num_stages=cfg.num_stages)).run()
-    if n_hb > 1:  # the head blocks' planes added in a fixed order: deterministic
-        out["dq"], out["dk"] = planes["dq"].sum(0), planes["dk"].sum(0)
+            n_bh=B * H, BJ=SBJ, BP=SBP, sqb=qs[0], **common), STATE_OPTIONS).run()
+        Launch(chunk_grads_qk_kernel, (n_jb * B * G * nc,), dict(
+            states=states, dq=out["dq"], dk=out["dk"], part_qb=out["part_qb"],
+            part_kb=out["part_kb"], d_angles=out["d_angles"], n_bg=B * G, G=G, BJ=BJ, BP=BP,
+            **inputs), dict(num_warps=cfg.QK_WARPS, num_stages=1)).run()
+        Launch(chunk_grads_v_kernel, (B * H * nc,), dict(
+            d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dv=out["dv"], part_psi=out["part_psi"],
+            part_d=out["part_d"], d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"],
+            d_adt=out["d_adt"], n_jb=n_jb, HAS_D=m.HAS_D, BJ=V_BJ, BP=V_BP, **inputs),
+            dict(num_warps=cfg.V_WARPS, num_stages=1)).run()
     return out

@@ -100,10 +100,10 @@ def _pad_steps(x: Optional[Tensor], dim: int, S_pad: int) -> Optional[Tensor]:
 def kernel_chunk(pb: Problem) -> int:
     """The chunk length the kernels run: the model's chunk_size, or for a chunk_size beyond S
     one chunk of whole kernel tiles (bwd_fwd.one_chunk_size: the same compiled kernels for
-    every such S), split to whole kernel tiles (configs.kernel_chunk_size). The outputs do not
-    depend on it."""
+    every such S), split to whole kernel tiles (configs.kernel_chunk_size) or joined up to
+    them (configs.joined_chunk_size). The outputs do not depend on it."""
     C = pb.C if pb.C <= pb.S else one_chunk_size(pb.C, pb.S, pb.R)
-    return configs.kernel_chunk_size(C, pb.R)
+    return configs.joined_chunk_size(configs.kernel_chunk_size(C, pb.R), pb.R)
 
 
 # the step dimension of each per-step input
@@ -142,27 +142,18 @@ def _add_last_rows(t: Tensor, val: Tensor, pk: Optional[Packing], S: int) -> Non
         t[0].index_add_(0, pk.lasts, val.to(t.dtype))
 
 
-def kernel_constants(pb: Problem, tiles: bool = False) -> configs.Constants:
-    """The kernels' constants of a call in its layout: one chunk per program (U = 1:
-    chunk_forward, phase 2), or with `tiles` chunk_output's tiles of configs.tile_chunks chunks
-    (step_terms' decays are then relative to a tile's start)."""
+def kernel_constants(pb: Problem) -> configs.Constants:
+    """The kernels' constants of a call in its layout, one chunk per program (U = 1): the kernel
+    chunk already fills a tile."""
     m = configs.constants(dataclasses.replace(pb, C=kernel_chunk(pb)))
-    return m if tiles else dataclasses.replace(m, U=1, TPO=m.TP)
+    return dataclasses.replace(m, U=1, TPO=m.TP)
 
 
-def several_chunk_tiles(x: dict, pk: Optional[Packing]) -> bool:
-    """Whether the output stage may run on tiles of several chunks: on chunk_output's stage
-    (tiled_output) and without packed sequences, where a tile would carry one sequence's state
-    into the next."""
-    return tiled_output(x) and pk is None
-
-
-def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None, tiles: bool = False) -> dict:
+def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
     """The kernels' view of a call in its layout: the sequence inputs padded to whole chunks,
     the rotation angles and decay pieces (preprocess), step_terms' tables and the states
-    entering each chunk (the state pass), with the kernels' constants `m` (kernel_constants,
-    `tiles` as there)."""
-    m = kernel_constants(pb, tiles)
+    entering each chunk (the state pass), with the kernels' constants `m` (kernel_constants)."""
+    m = kernel_constants(pb)
     C = m.C
     kpb = dataclasses.replace(pb, C=C)
     S_pad = m.S_pad
@@ -194,7 +185,7 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None, tiles: bool = Fa
 
 def step_tables(m: configs.Constants, a: dict, angles: Tensor) -> dict:
     """step_terms' tables (terms, cos, sin) of a prepared call's padded inputs `a` and running
-    angles, for the tiles of m.U chunks."""
+    angles, per chunk."""
     numel, views = step_terms.table_views(m)
     buf = torch.empty(numel, device=angles.device, dtype=torch.float32)
     tables = {name: buf.as_strided(size, stride, off) for name, size, stride, off in views}
@@ -340,7 +331,7 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     states' few small ops are a visible share of a small shape's host time)."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     tiled = tiled_output(x) and not with_states
-    c = prepare(lpb, xl, pk, tiles=tiled and several_chunk_tiles(x, pk))
+    c = prepare(lpb, xl, pk)
     m = c["m"]
     dev, stand = pb.device, placeholder(pb.device)
     ranks = () if x["MIMO_Out"] is not None else (pb.R,)
@@ -475,14 +466,7 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     c = prepare(lpb, xl, pk)
     m = c["m"]
     B, L, H, G, N, P, R = lpb.B, lpb.S, pb.H, pb.G, pb.N, pb.P, pb.R  # L: the layout's steps
-    # the output stage's gradients on chunk_output's tiles of several chunks where a chunk has
-    # fewer than a tile's rows, with step_terms' tables of those tiles (phase 2's are per chunk)
-    tile = c
-    if several_chunk_tiles(x, pk):
-        mt = kernel_constants(lpb, tiles=True)
-        if mt.U > 1:
-            tile = dict(c, m=mt, **step_tables(mt, c, c["angles"]))
-    n_tiles = -(-m.nc // tile["m"].U)
+    n_tiles = m.nc  # of the output stage: one chunk each
     S_pad, nc, dev = m.S_pad, m.nc, pb.device
     f32 = dict(device=dev, dtype=torch.float32)
     stand = placeholder(dev)
@@ -507,7 +491,7 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     part_z = torch.empty(B * H, n_tiles, R, P, **f32) if pb.has_z else stand
     part_w = torch.empty(B * H, nc, P, **f32) if x["fuse_norm"] else stand
     if tiled_output(x):
-        _tiled_output(lpb, xl, tile, True, out=stand, dout=dout, dz=dz, dy=dy, part_o=part_o,
+        _tiled_output(lpb, xl, c, True, out=stand, dout=dout, dz=dz, dy=dy, part_o=part_o,
                       part_z=part_z)
     else:
         chunk_forward.launch(**_output_args(lpb, xl, c), dout=dout, out=stand, dy=dy, dz=dz,
@@ -522,7 +506,7 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if x["fuse_norm"] and x["norm_weight"] is not None:
         grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
-    del part_o, part_z, part_w, tile
+    del part_o, part_z, part_w
     g = chunk_grads.raw_y_grads(
         q=c["Q"], k=c["K"], v=c["V"], q_bias=c["Q_bias"], k_bias=c["K_bias"],
         mimo_v=c["MIMO_V"], d=stand if x["D"] is None else x["D"].contiguous(),
