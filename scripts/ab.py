@@ -26,7 +26,7 @@ VARIANTS_JSON: a list of objects with a "name" and any of
   raised to a lower bound (e.g. {"BP": 32}); "tile_chunks" (int), "scan_sync" (bool),
   "measured_arch" (bool), "smem_limit" (bytes);
 - "grads_cfg": entries that replace those of phase 2's blocks (kernels.chunk_grads.config, a
-  GradsConfig) for every problem, e.g. {"BJ": 32, "num_stages": 1} (AB_TARGET=operator);
+  GradsConfig) for every problem, e.g. {"BJ": 32, "QK_WARPS": 8} (AB_TARGET=operator);
 - "direct": false sends every production launch through Triton's JITFunction.run instead of
   the launcher's direct launches (runtime.launcher.DIRECT), e.g.
   [{"name": "triton", "direct": false}, {"name": "direct"}];

@@ -112,10 +112,14 @@ def _check_against_autograd(shape: Shape, d_skip: bool, seed: int) -> None:
     assert not bad, f"relative RMS errors above {THRESHOLDS[torch.float32]}: {bad}"
 
 
-def test_blocks(monkeypatch):
-    """Several pair blocks of N (24 pairs in blocks of 16) and P blocks (40 columns in blocks of
-    16) in both kernels, groups of three heads: every gradient within the fp32 threshold of
-    float64 autograd (the pair blocks' shares of the per-step sums added by chunk_grads_v)."""
+@pytest.mark.parametrize("pairs,N,divisor", [(16, 48, 2), (32, 80, 4)],
+                         ids=["16_pairs_N48", "32_pairs_N80"])
+def test_blocks(monkeypatch, pairs, N, divisor):
+    """Several pair blocks of N (24 pairs in blocks of 16; 40 pairs in blocks of 32, the last
+    one partial and only 20 pairs rotated) and P blocks (40 columns in blocks of 16) in both
+    kernels, groups of three heads: every gradient within the fp32 threshold of float64 autograd
+    (the pair blocks' shares of the per-step sums added by chunk_grads_v)."""
     monkeypatch.setattr(chunk_grads, "config", lambda *shape: chunk_grads.GradsConfig(
-        BJ=16, BP=16, V_BJ=16, V_BP=16, STATE_BJ=16, STATE_BP=16))
-    _check_against_autograd(Shape(1, 9, 6, 2, 48, 40, 2, 4, rotary_dim_divisor=2), True, seed=5)
+        BJ=pairs, BP=16, V_BJ=pairs, V_BP=16, STATE_BJ=16, STATE_BP=16))
+    _check_against_autograd(Shape(1, 9, 6, 2, N, 40, 2, 4, rotary_dim_divisor=divisor), True,
+                            seed=5)

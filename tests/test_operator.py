@@ -234,6 +234,23 @@ def test_deterministic():
         assert torch.equal(g, results[1][1][name]), name
 
 
+def test_joined_chunk_size():
+    """The operator joins chunks to tiles of 33-64 (step, rank) rows: C = 8 with R = 4 runs 16
+    steps, the official shapes with 64-row chunks keep theirs, and an R whose one-step tile is
+    larger than 64 rows one step."""
+    from mamba3_mimo.phases.operator import kernel_chunk
+    from mamba3_mimo.problem import Problem
+    cases = {(8, 4): 16, (16, 4): 16, (8, 8): 8, (32, 2): 32, (64, 1): 64, (3, 3): 12,
+             (5, 1): 40, (1, 128): 1, (1, 72): 1}
+    for (C, R), want in cases.items():
+        assert configs.joined_chunk_size(C, R) == want, (C, R)
+    for s in official_shapes():
+        pb = Problem(B=s.B, S=s.S, H=s.H, G=s.G, N=s.N, P=s.P, R=s.R, C=s.C,
+                     rotary_dim_divisor=s.rotary_dim_divisor, dtype=torch.bfloat16, has_z=True,
+                     has_d=True, output_dtype=torch.bfloat16, device=torch.device("cpu"))
+        assert kernel_chunk(pb) == (16 if (s.C, s.R) == (8, 4) else s.C), s.name
+
+
 @pytest.mark.parametrize("op_kw,make_kw", [
     ({}, dict(mimo_out=True)),
     ({}, dict(mimo_out=False, d=False)),

@@ -350,7 +350,9 @@ STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 # docs/performance.md): 32 pairs x 64 columns at 8 warps took it 1.71 -> 1.39 ms at
 # N128_P64_R4_C16, 3.36 -> 2.77 at N256_P64_R4_C8, 1.36 -> 0.96 at N64_P128_R4_C16 (32 x 32 at
 # 8 warps 1.52, 3.00, 1.15; 32 x 32 at 4 warps 2.12, 4.13, 1.38) and 0.50 -> 0.57 at
-# N16_P64_R4_C8, whose 8 pairs fill no 32-pair block. Without Hopper's wgmma (sm_80-89, sm_120)
+# N16_P64_R4_C8, whose 8 pairs fill no 32-pair block. chunk_grads_v's walks over N in 32-pair
+# blocks: 1.14 -> 0.97 ms at N128_P64_R4_C16 and 1.90 -> 1.51 at N256_P64_R4_C8 (2026-12-04;
+# not measured at N = 64). Without Hopper's wgmma (sm_80-89, sm_120)
 # every warp holds a dot's whole second operand, and that block spilled 5.6 KB per thread
 # offline (sm_89): there the 16 x 32 blocks at 4 warps.
 def config(N: int, P: int, measured: bool = True) -> GradsConfig:
@@ -358,7 +360,8 @@ def config(N: int, P: int, measured: bool = True) -> GradsConfig:
     configs were measured (configs.measured_arch) or not."""
     state_bp = 64 if N >= 256 or P >= 128 else 32
     if N >= 64 and measured:
-        return GradsConfig(BJ=32, BP=64, QK_WARPS=8, STATE_BP=state_bp)
+        return GradsConfig(BJ=32, BP=64, QK_WARPS=8, V_BJ=32 if N >= 128 else 16,
+                           STATE_BP=state_bp)
     return GradsConfig(STATE_BP=state_bp)
 
 
