@@ -1,14 +1,14 @@
 """The whole differentiable operator `mamba3_mimo(...)` (SPEC section 6), upstream's signature: the
 argument checks, the call's preparation (the preprocessing, step_terms' tables and the state
 pass), and one autograd Function whose forward writes the output and whose backward recomputes
-the states, runs the output stage's gradient and phase 2 (chunk_grads), then reduces the
+the states, runs the output stage's gradient and phase 2 (kernels/chunk_grads.py), then reduces the
 gradients to the inputs. The output stage runs on chunk_output's tiles (bwd_fwd's kernel, in
 its FORWARD and GRAD modes) where training calls the operator, MIMO_Out given and no fused
 norm; on chunk_forward otherwise (the final states, the norm, the per-rank output).
 
 Calls may start from a given state (SPEC section 7) and pack several sequences into one batch
-entry (cu_seqlens: the layout of phases/packed.py). Phase 2 is a first form (whole-chunk
-kernels, launch options tuned, the design not yet); the tail is padded by host-side copies.
+entry (cu_seqlens: the layout of phases/packed.py). The kernels run chunks of at least a tile's
+64 (step, rank) rows (configs.joined_chunk_size); the tail is padded by host-side copies.
 """
 from __future__ import annotations
 
