@@ -34,9 +34,10 @@ B, S = 4, 2048
 DECODE_BATCHES = (1, 64)
 DECODE_PREFILL = 128
 # this package's kernels, by the names the profiler reports
-OUR_KERNELS = ("chunk_forward_kernel", "chunk_grads_qk_kernel", "chunk_grads_v_kernel", "state_grad_kernel",
-               "state_scan_kernel", "chunk_increment_kernel", "state_passing_kernel",
-               "angle_sum_kernel", "decay_pieces_kernel", "step_terms_kernel")
+OUR_KERNELS = ("chunk_forward_kernel", "chunk_grads_qk_kernel", "chunk_grads_v_kernel",
+               "state_grad_kernel", "state_scan_kernel", "chunk_increment_kernel",
+               "state_passing_kernel", "angle_sum_kernel", "decay_pieces_kernel",
+               "step_terms_kernel")
 
 
 def fla_layer_module():

@@ -144,7 +144,8 @@ def _bias_share(part, part_off, val, part_mask):
 @triton.jit(do_not_specialize=["S_pad", "n_bg", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
 def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum, dy, states,
                           dstates, dq, dk, part_qb, part_kb, d_angles, part_cs, part_carried,
-                          S_pad, n_bg, n_bh, nc, plane, H, G, HG, R, C, N, HALF, P, RD, sqb, sqs, sqr, sqg,
+                          S_pad, n_bg, n_bh, nc, plane, H, G, HG, R, C, N, HALF, P, RD, sqb, sqs,
+                          sqr, sqg,
                           sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
                           TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
                           BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr):
@@ -408,7 +409,8 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
                dv=torch.empty(B, S_pad, H, P, **f32), part_psi=torch.empty(B * H, nc, R, P, **f32),
                part_d=torch.empty(B * H, nc, **f32),
                d_angles=torch.empty(B, S_pad, H, m.RD, **f32),
-               d_gamma=torch.empty(B, H, S_pad, **f32), d_trap_scale=torch.empty(B, H, S_pad, **f32),
+               d_gamma=torch.empty(B, H, S_pad, **f32),
+               d_trap_scale=torch.empty(B, H, S_pad, **f32),
                d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates)
     # chunk_grads_qk's per-block shares for chunk_grads_v
     part_cs = torch.empty(n_jb, B * H, S_pad, **f32)
@@ -419,11 +421,10 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
                   TP=TP, RP=RP, PREC=precision)
     BA = input_align(m.ALIGN, q, k, v)
     inputs = dict(q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, terms=terms,
-                  cos=cos, sin=sin, segsum=segsum, dy=dy, dstates=dstates, sqb=qs[0] // BA,
-                  skb=ks[0] // BA, BA=BA,
-                  sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
-                  svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], n_bh=B * H, part_cs=part_cs, part_carried=part_carried,
-                  HALF=N // 2, **common)
+                  cos=cos, sin=sin, segsum=segsum, dy=dy, dstates=dstates, BA=BA,
+                  sqb=qs[0] // BA, skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
+                  svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], n_bh=B * H, part_cs=part_cs,
+                  part_carried=part_carried, HALF=N // 2, **common)
     with on_device(dev):
         chains = B * H if bounds is None else (bounds.numel() - 1) * H
         blocks = triton.cdiv(N // 2, SBJ) * triton.cdiv(P, SBP)

@@ -1,8 +1,8 @@
 """The whole operator's own kernels (chunk_forward, phase 2's chunk_grads_qk and chunk_grads_v)
 work on whole chunks: one program holds a chunk's (step, rank) rows (row = t * RP + r) and walks
 N in blocks of BJ pair columns and P in blocks of BP columns, so that its tiles stay within the
-registers and shared memory of one program. Here: what such a program loads, and the reshapes between rows and
-steps."""
+registers and shared memory of one program. Here: what such a program loads, and the reshapes
+between rows and steps."""
 import triton
 import triton.language as tl
 
