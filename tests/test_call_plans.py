@@ -3,7 +3,7 @@ first with its own tensors, and gives what a fresh plan gives."""
 import pytest
 import torch
 
-from conftest import DEVICE, assert_outputs_equal, check_outputs, problem, run_op
+from conftest import assert_outputs_equal, check_outputs, problem, run_op
 from mamba3_mimo import configs
 from mamba3_mimo.phases import bwd_fwd
 from mamba3_mimo.runtime.plans import placeholder

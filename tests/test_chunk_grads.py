@@ -10,9 +10,8 @@ import torch
 from conftest import DEVICE
 from mamba3_mimo import configs, reference
 from mamba3_mimo.inputs import Shape, make_inputs
-from mamba3_mimo.kernels import chunk_grads, step_terms
+from mamba3_mimo.kernels import chunk_grads, preprocess, step_terms
 from mamba3_mimo.phases import bwd_fwd
-from mamba3_mimo.phases.operator import trap_grads
 from mamba3_mimo.problem import Problem
 from mamba3_mimo.runtime.plans import placeholder
 from mamba3_mimo.testing import THRESHOLDS, rel_rms
@@ -78,9 +77,8 @@ def _ours(a, dy, d_final, shape, d_skip):
         da_cs=padded["da_cs"], da_cs_rev=padded["da_cs_rev"], segsum=padded["segsum"],
         dy=dy_pad, states=states.float().contiguous(), d_final_state=d_final, consts=m,
         precision=m.PREC, **t)
-    B, H, G, R = shape.B, shape.H, shape.G, shape.R
-    d_dt, d_trap = trap_grads(g["d_gamma"][..., :S], g["d_trap_scale"][..., :S], a["dt"],
-                              a["trap"])
+    B, H, R = shape.B, shape.H, shape.R
+    d_dt, d_trap = _trap_grads(g, padded["dt"], padded["trap"], S)
     out = dict(
         q=g["dq"][:, :S], k=g["dk"][:, :S], q_bias=g["part_qb"].sum((0, 1)),
         k_bias=g["part_kb"].sum((0, 1)),
@@ -91,6 +89,21 @@ def _ours(a, dy, d_final, shape, d_skip):
     if d_skip:
         out["d"] = g["part_d"].view(B, H, -1).sum((0, 2))
     return out
+
+
+def _trap_grads(g: dict, dt, trap, S: int):
+    """(d DT, d Trap) [B, H, S] from phase 2's d_gamma and d_trap_scale, through the angles'
+    backward kernel's fused trap terms (the operator's path) with a zero angle gradient, whose
+    share of d DT is then zero."""
+    B, H, S_pad = g["d_gamma"].shape
+    f32 = dict(device=DEVICE, dtype=torch.float32)
+    zeros = torch.zeros(B, S, H, 1, **f32)
+    out = dict(d_raw=torch.empty(B, S, H, 1, **f32), d_dt=torch.empty(B, H, S_pad, **f32),
+               d_angle0=torch.empty(B, H, 1, **f32), d_trap=torch.empty(B, H, S_pad, **f32))
+    preprocess.angle_sum_backward_launch(
+        d_angles=zeros, angles_raw=zeros, dt=dt.contiguous(), trap=trap.contiguous(),
+        d_gamma=g["d_gamma"], d_trap_scale=g["d_trap_scale"], **out).run()
+    return out["d_dt"][..., :S], out["d_trap"][..., :S]
 
 
 @pytest.mark.parametrize("shape,d_skip", [

@@ -11,7 +11,6 @@ order: deterministic). Without GRAD, the last chunk's program also writes the fi
 import triton
 import triton.language as tl
 
-from ..runtime.device import on_device
 from ..runtime.launcher import Launch
 from . import next_pow2
 from .common import chunk_rows, load_cos_sin, load_rotated, mac
@@ -205,22 +204,21 @@ def block_pairs(P: int) -> int:
 
 def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms, cos, sin,
            da_cs, segsum, states, dout, out, dy, dz, part_o, part_z, part_w, final_state, eps,
-           has_z: bool, has_d: bool, has_out: bool, norm: bool, grad: bool, consts) -> None:
-    """Launch chunk_forward_kernel over every (b*h, chunk) of padded inputs (whole chunks of C
+           has_z: bool, has_d: bool, has_out: bool, norm: bool, grad: bool, consts) -> Launch:
+    """chunk_forward_kernel's launch over every (b*h, chunk) of padded inputs (whole chunks of C
     steps; consts with U = 1). Absent tensors are stand-ins that the flags keep unread."""
     m = consts
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     qs, ks, vs = q.stride(), k.stride(), v.stride()
-    with on_device(q.device):
-        Launch(chunk_forward_kernel, (B * H * m.nc,), dict(
-            q=q, k=k, v=v, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o,
-            mimo_z=mimo_z, d=d, norm_w=norm_w, terms=terms, cos=cos, sin=sin, da_cs=da_cs,
-            segsum=segsum, states=states, dout=dout, out=out, dy=dy, dz=dz, part_o=part_o,
-            part_z=part_z, part_w=part_w, final_state=final_state, S_pad=S_pad, n_bh=B * H,
-            nc=m.nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=m.C, N=N, P=P, RD=m.RD,
-            eps=float(eps), sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], skb=ks[0],
-            sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
-            svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(block_pairs(P), next_pow2(N // 2))),
-            BP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
-            NORM=norm, GRAD=grad, PREC=m.PREC), OPTIONS).run()
+    return Launch(chunk_forward_kernel, (B * H * m.nc,), dict(
+        q=q, k=k, v=v, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o,
+        mimo_z=mimo_z, d=d, norm_w=norm_w, terms=terms, cos=cos, sin=sin, da_cs=da_cs,
+        segsum=segsum, states=states, dout=dout, out=out, dy=dy, dz=dz, part_o=part_o,
+        part_z=part_z, part_w=part_w, final_state=final_state, S_pad=S_pad, n_bh=B * H,
+        nc=m.nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=m.C, N=N, P=P, RD=m.RD,
+        eps=float(eps), sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], skb=ks[0],
+        sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
+        svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(block_pairs(P), next_pow2(N // 2))),
+        BP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
+        NORM=norm, GRAD=grad, PREC=m.PREC), OPTIONS)

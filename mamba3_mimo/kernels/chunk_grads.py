@@ -22,6 +22,7 @@ one pair block or one P block of the rest at a time; splitting the gradients thi
 largest live tiles to about three [rows, rows] or [rows, block] fp32 tiles per program.
 """
 from dataclasses import dataclass
+from typing import Tuple
 
 import torch
 import triton
@@ -30,7 +31,7 @@ import triton.language as tl
 from .. import configs
 from ..runtime.device import on_device
 from ..runtime.launcher import Launch
-from . import input_align, next_pow2
+from . import cdiv, input_align, next_pow2
 from .common import (chain, chunk_rows, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_rotated, mac, rotate_pairs)
 from .step_terms import Q_DECAY
@@ -375,72 +376,103 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     [B, nc, H, R, N], dv [B, S_pad, H, P], d_angles
     [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad], the per-chunk shares of dPsi
     (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc]; d given), and dstates
-    [B, H, nc + 1, N, P]. states: the fp32 states entering each chunk [B, H, nc, N, P];
-    d_final_state [B, H, N, P] or None. Packed sequences (B = 1): bounds, int32 [n_seq + 1],
-    sequence j covering chunks bounds[j] .. bounds[j + 1] - 1 (chunk_state.launches'), and
-    d_ends [n_seq, H, N, P] fp32 the sequences' final-state gradients (d_final_state is then
-    the last one's). consts: the
-    kernels' constants of the padded call with
-    U = 1 (step_terms' Q_DECAY is then exp(da_cs)); `precision` the dots' input precision."""
+    [B, H, nc + 1, N, P] (and the scratch part_cs, part_carried). states: the fp32 states
+    entering each chunk [B, H, nc, N, P]; d_final_state [B, H, N, P] or None. Packed sequences
+    (B = 1): bounds, int32 [n_seq + 1], sequence j covering chunks bounds[j] .. bounds[j + 1] - 1
+    (chunk_state.launches'), and d_ends [n_seq, H, N, P] fp32 the sequences' final-state
+    gradients (d_final_state is then the last one's). consts: the kernels' constants of the
+    padded call with U = 1 (step_terms' Q_DECAY is then exp(da_cs)); `precision` the dots' input
+    precision."""
+    out = buffers(consts, q.device, d_final_state)
+    with on_device(q.device):
+        for launch in launches(q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d,
+                               terms=terms, cos=cos, sin=sin, da_cs=da_cs, da_cs_rev=da_cs_rev,
+                               segsum=segsum, dy=dy, states=states, consts=consts,
+                               precision=precision, bounds=bounds, d_ends=d_ends, **out):
+            launch.run()
+    return out
+
+
+def _blocks(consts, device) -> Tuple[GradsConfig, int]:
+    """(the config with its blocks clamped to N and P, every dot dimension at least 16; the
+    count of chunk_grads_qk's pair blocks)."""
     m = consts
-    B, S_pad, R, G, N = q.shape
-    H, P = v.shape[2], v.shape[3]
-    C, nc = m.C, m.nc
-    dev = q.device
-    f32 = dict(device=dev, dtype=torch.float32)
-    # the reverse scan writes every entry but the last (d final state, or zero): filling the
-    # whole tensor took 0.23 ms at N256_P64_R4_C8 (H200)
+    N, P = m.N, m.P
+    cfg = config(N, P, configs.measured_arch(device))
+    pairs = lambda want: max(16, min(want, next_pow2(N // 2)))  # noqa: E731
+    columns = lambda want: max(16, min(want, next_pow2(P)))  # noqa: E731
+    cfg = GradsConfig(BJ=pairs(cfg.BJ), BP=columns(cfg.BP), V_BJ=pairs(cfg.V_BJ),
+                      V_BP=columns(cfg.V_BP), STATE_BJ=pairs(cfg.STATE_BJ),
+                      STATE_BP=columns(cfg.STATE_BP), QK_WARPS=cfg.QK_WARPS,
+                      V_WARPS=cfg.V_WARPS)
+    return cfg, cdiv(N // 2, cfg.BJ)
+
+
+def buffers(consts, device, d_final_state=None) -> dict:
+    """The outputs of `launches` (raw_y_grads' dict) and their scratch, allocated; dstates'
+    last entry holds d_final_state [B, H, N, P] (zero when None), which the reverse scan reads
+    and does not write."""
+    m = consts
+    B, S_pad, R, G, N, H, P, nc = m.B, m.S_pad, m.R, m.G, m.N, m.H, m.P, m.nc
+    f32 = dict(device=device, dtype=torch.float32)
+    n_jb = _blocks(m, device)[1]
+    # the reverse scan writes every entry but the last: filling the whole tensor took 0.23 ms at
+    # N256_P64_R4_C8 (H200)
     dstates = torch.empty(B, H, nc + 1, N, P, **f32)
     if d_final_state is None:
         dstates[:, :, nc].zero_()
     else:
         dstates[:, :, nc] = d_final_state
-    # every dot dimension at least 16 (m.TP * m.RP already is)
-    TP, RP = m.TP, m.RP
-    cfg = config(N, P, configs.measured_arch(dev))
-    pairs = lambda want: max(16, min(want, next_pow2(N // 2)))  # noqa: E731
-    columns = lambda want: max(16, min(want, next_pow2(P)))  # noqa: E731
-    BJ, V_BJ, SBJ = pairs(cfg.BJ), pairs(cfg.V_BJ), pairs(cfg.STATE_BJ)
-    BP, V_BP, SBP = columns(cfg.BP), columns(cfg.V_BP), columns(cfg.STATE_BP)
-    n_jb = triton.cdiv(N // 2, BJ)
-    out = dict(dq=torch.empty(B, S_pad, R, G, N, **f32), dk=torch.empty(B, S_pad, R, G, N, **f32),
-               part_qb=torch.empty(B, nc, H, R, N, **f32),
-               part_kb=torch.empty(B, nc, H, R, N, **f32),
-               dv=torch.empty(B, S_pad, H, P, **f32), part_psi=torch.empty(B * H, nc, R, P, **f32),
-               part_d=torch.empty(B * H, nc, **f32),
-               d_angles=torch.empty(B, S_pad, H, m.RD, **f32),
-               d_gamma=torch.empty(B, H, S_pad, **f32),
-               d_trap_scale=torch.empty(B, H, S_pad, **f32),
-               d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates)
-    # chunk_grads_qk's per-block shares for chunk_grads_v
-    part_cs = torch.empty(n_jb, B * H, S_pad, **f32)
-    part_carried = torch.empty(n_jb, B * H, nc, **f32)
+    return dict(dq=torch.empty(B, S_pad, R, G, N, **f32), dk=torch.empty(B, S_pad, R, G, N, **f32),
+                part_qb=torch.empty(B, nc, H, R, N, **f32),
+                part_kb=torch.empty(B, nc, H, R, N, **f32),
+                dv=torch.empty(B, S_pad, H, P, **f32), part_psi=torch.empty(B * H, nc, R, P, **f32),
+                part_d=torch.empty(B * H, nc, **f32),
+                d_angles=torch.empty(B, S_pad, H, m.RD, **f32),
+                d_gamma=torch.empty(B, H, S_pad, **f32),
+                d_trap_scale=torch.empty(B, H, S_pad, **f32),
+                d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates,
+                # chunk_grads_qk's per-block shares for chunk_grads_v
+                part_cs=torch.empty(n_jb, B * H, S_pad, **f32),
+                part_carried=torch.empty(n_jb, B * H, nc, **f32))
+
+
+def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev, segsum,
+             dy, states, consts, precision: str, bounds=None, d_ends=None, dq, dk, part_qb,
+             part_kb, dv, part_psi, part_d, d_angles, d_gamma, d_trap_scale, d_adt, dstates,
+             part_cs, part_carried) -> list:
+    """raw_y_grads' three launches (the reverse scan, chunk_grads_qk, chunk_grads_v) into the
+    tensors of `buffers`."""
+    m = consts
+    B, S_pad, R, G, N = q.shape
+    H, P = v.shape[2], v.shape[3]
+    C, nc = m.C, m.nc
+    cfg, n_jb = _blocks(m, q.device)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
+    # every dot dimension at least 16 (m.TP * m.RP already is)
     common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
                   N=N, P=P, RD=m.RD, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
-                  TP=TP, RP=RP, PREC=precision)
+                  TP=m.TP, RP=m.RP, PREC=precision)
     BA = input_align(m.ALIGN, q, k, v)
     inputs = dict(q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, terms=terms,
                   cos=cos, sin=sin, segsum=segsum, dy=dy, dstates=dstates, BA=BA,
                   sqb=qs[0] // BA, skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
                   svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], n_bh=B * H, part_cs=part_cs,
                   part_carried=part_carried, HALF=N // 2, **common)
-    with on_device(dev):
-        chains = B * H if bounds is None else (bounds.numel() - 1) * H
-        blocks = triton.cdiv(N // 2, SBJ) * triton.cdiv(P, SBP)
+    chains = B * H if bounds is None else (bounds.numel() - 1) * H
+    blocks = cdiv(N // 2, cfg.STATE_BJ) * cdiv(P, cfg.STATE_BP)
+    return [
         Launch(state_grad_kernel, (chains, blocks), dict(
             q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, terms=terms, cos=cos,
             sin=sin, bounds=dstates if bounds is None else bounds,
-            d_final=dstates if bounds is None else d_ends,
-            VARLEN=bounds is not None,
-            n_bh=B * H, BJ=SBJ, BP=SBP, sqb=qs[0], **common), STATE_OPTIONS).run()
+            d_final=dstates if bounds is None else d_ends, VARLEN=bounds is not None,
+            n_bh=B * H, BJ=cfg.STATE_BJ, BP=cfg.STATE_BP, sqb=qs[0], **common), STATE_OPTIONS),
         Launch(chunk_grads_qk_kernel, (n_jb * B * G * nc,), dict(
-            states=states, dq=out["dq"], dk=out["dk"], part_qb=out["part_qb"],
-            part_kb=out["part_kb"], d_angles=out["d_angles"], n_bg=B * G, G=G, BJ=BJ, BP=BP,
-            **inputs), dict(num_warps=cfg.QK_WARPS, num_stages=1)).run()
+            states=states, dq=dq, dk=dk, part_qb=part_qb, part_kb=part_kb, d_angles=d_angles,
+            n_bg=B * G, G=G, BJ=cfg.BJ, BP=cfg.BP, **inputs),
+            dict(num_warps=cfg.QK_WARPS, num_stages=1)),
         Launch(chunk_grads_v_kernel, (B * H * nc,), dict(
-            d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dv=out["dv"], part_psi=out["part_psi"],
-            part_d=out["part_d"], d_gamma=out["d_gamma"], d_trap_scale=out["d_trap_scale"],
-            d_adt=out["d_adt"], n_jb=n_jb, HAS_D=m.HAS_D, BJ=V_BJ, BP=V_BP, **inputs),
-            dict(num_warps=cfg.V_WARPS, num_stages=1)).run()
-    return out
+            d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dv=dv, part_psi=part_psi, part_d=part_d,
+            d_gamma=d_gamma, d_trap_scale=d_trap_scale, d_adt=d_adt, n_jb=n_jb,
+            HAS_D=m.HAS_D, BJ=cfg.V_BJ, BP=cfg.V_BP, **inputs),
+            dict(num_warps=cfg.V_WARPS, num_stages=1))]

@@ -13,7 +13,6 @@ in blocks of BJ pairs: each block's part of the state is read, updated and writt
 share of raw_y accumulated; the rank sums go through dots whose rank dimension is padded to 16.
 No atomics, no allocation: the same inputs give the same bits, and a step can be captured in a
 CUDA graph."""
-import torch
 import triton
 import triton.language as tl
 

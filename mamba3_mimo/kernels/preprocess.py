@@ -35,11 +35,14 @@ BLOCK_ELEMENTS = 4096
 
 
 @triton.jit
-def _angle_block(raw_at, dt_at, g_at, raw_off, out_off, i, rm, blk, n_blocks, n_steps,
-                 BS: tl.constexpr, sas, sds, sos, REVERSE: tl.constexpr):
+def _angle_block(raw_at, dt_at, g_at, trap_at, d_gamma_at, d_ts_at, raw_off, out_off, i, rm,
+                 blk, n_blocks, n_steps, first, BS: tl.constexpr, sas, sds, sos,
+                 REVERSE: tl.constexpr, TRAP: tl.constexpr):
     """The inputs of the walk's block blk (all masked once blk reaches n_blocks): the raw angles
-    [BS, BR], dt [BS] and, REVERSE, the angles' gradient [BS, BR] (else 0); the walk goes from
-    the first block forward, or from the last backward (REVERSE)."""
+    [BS, BR], dt [BS] and, REVERSE, the angles' gradient [BS, BR] (else 0); with TRAP, the
+    block's d_gamma + d_trap_scale, d_trap_scale of the step before (0 before the row's first
+    step, `first` steps into the row) and Trap, each [BS] (else 0). The walk goes from the first
+    block forward, or from the last backward (REVERSE)."""
     if REVERSE:
         s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
     else:
@@ -47,18 +50,26 @@ def _angle_block(raw_at, dt_at, g_at, raw_off, out_off, i, rm, blk, n_blocks, n_
     sm = (i < n_steps - s0) & (blk < n_blocks)
     m = sm[:, None] & rm[None, :]
     x = tl.load(raw_at + s0 * sas + raw_off, mask=m, other=0.0)
-    d = tl.load(dt_at + s0 * sds + i * sds, mask=sm, other=0.0)
+    step = s0 * sds + i * sds
+    d = tl.load(dt_at + step, mask=sm, other=0.0)
     g = 0.0
     if REVERSE:
         g = tl.load(g_at + s0 * sos + out_off, mask=m, other=0.0)
-    return x, d, g
+    d_g, d_shift, trap = 0.0, 0.0, 0.0
+    if TRAP:
+        d_g = (tl.load(d_gamma_at + step, mask=sm, other=0.0)
+               + tl.load(d_ts_at + step, mask=sm, other=0.0))
+        d_shift = tl.load(d_ts_at + step - sds, mask=sm & (first + s0 + i > 0), other=0.0)
+        trap = tl.load(trap_at + step, mask=sm, other=0.0).to(tl.float32)
+    return x, d, g, d_g, d_shift, trap
 
 
 @triton.jit(do_not_specialize=["S", "sab", "sdb", "sdh", "sob"])
 def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_dt, d_angle0,
-                     bounds, S, H, RD, sab, sas, sah, sar, sdb, sdh, sds, sob, sos, soh,
-                     BS: tl.constexpr, BR: tl.constexpr, TWO_PI: tl.constexpr,
-                     REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, VARLEN: tl.constexpr):
+                     bounds, trap, d_gamma, d_trap_scale, d_trap, S, H, RD, sab, sas, sah, sar,
+                     sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr, BR: tl.constexpr,
+                     TWO_PI: tl.constexpr, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr,
+                     VARLEN: tl.constexpr, TRAP: tl.constexpr):
     """One (b, h) per program, the steps in blocks of BS, the RD angles in one BR block; VARLEN
     (packed sequences, B = 1): one (sequence j, h) per program over the steps bounds[j] ..
     bounds[j + 1] - 1 (bounds int32 [n_seq + 1]), so that every sequence starts afresh.
@@ -68,8 +79,11 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     REVERSE (the backward): with g[u] = sum_{t>=u} d_angles[b, t, h, :] (the mod has
     gradient 1), d_angles_raw[b, u, h, :] = g[u] pi dt[u] (1 - tanh^2), d_dt[b, h, u] =
     sum_r g[u] pi tanh, and d_angle0 [B or n_seq, H, RD] = g at the first step; the steps are
-    walked from the last block to the first. angles_raw and d_angles_raw share strides (sab,
-    sas, sah, sar); angles and d_angles too (sob, ...); dt and d_dt too (sdb, sdh, sds)."""
+    walked from the last block to the first. TRAP (REVERSE only) adds the gradients through
+    gamma[t] = dt[t] sigmoid(trap[t]) and trap_scale[t] = gamma[t] + dt[t+1] sigmoid(-trap[t+1])
+    given theirs, d_gamma and d_trap_scale: to d_dt, and into d_trap. angles_raw and
+    d_angles_raw share strides (sab, sas, sah, sar); angles and d_angles too (sob, ...); dt,
+    d_dt, trap, d_gamma, d_trap_scale and d_trap too (sdb, sdh, sds)."""
     pid = tl.program_id(0)
     seq, h = pid // H, (pid % H).to(tl.int64)  # seq: the batch entry, or the sequence
     if VARLEN:
@@ -100,8 +114,10 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     n_blocks = tl.cdiv(n_steps, BS)
     # Software-pipelined: a block's inputs are loaded while the block before it is summed, so
     # that the walk waits for memory about once rather than once per block.
-    x, d, g_out = _angle_block(angles_raw + raw_at, dt + dt_at, d_angles + out_at, raw_off,
-                               out_off, i, rm, 0, n_blocks, n_steps, BS, sas, sds, sos, REVERSE)
+    x, d, g_out, d_g, d_shift, tr = _angle_block(
+        angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
+        d_trap_scale + dt_at, raw_off, out_off, i, rm, 0, n_blocks, n_steps, first, BS, sas,
+        sds, sos, REVERSE, TRAP)
     for blk in range(n_blocks):
         if REVERSE:
             s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
@@ -109,10 +125,10 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
             s0 = tl.cast(blk, tl.int64) * BS
         sm = i < n_steps - s0
         m = sm[:, None] & rm[None, :]
-        x_next, d_next, g_next = _angle_block(angles_raw + raw_at, dt + dt_at,
-                                              d_angles + out_at, raw_off, out_off, i, rm,
-                                              blk + 1, n_blocks, n_steps, BS, sas, sds, sos,
-                                              REVERSE)
+        x_next, d_next, g_next, d_g_next, d_shift_next, tr_next = _angle_block(
+            angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
+            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, n_blocks, n_steps, first,
+            BS, sas, sds, sos, REVERSE, TRAP)
         th = tanh(x)
         if REVERSE:
             # g[u] = carry + sum_{t>=u in the block} g_out[t]: the block's total minus the
@@ -122,14 +138,20 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
             carry = carry + tl.sum(g_out, axis=0)
             tl.store(d_angles_raw + raw_at + s0 * sas + raw_off,
                      g * pi * d[:, None] * (1 - th * th), mask=m)
-            tl.store(d_dt + dt_at + s0 * sds + i * sds, tl.sum(g * th, axis=1) * pi, mask=sm)
+            d_dt_block = tl.sum(g * th, axis=1) * pi
+            if TRAP:
+                sig = tl.sigmoid(tr)
+                d_dt_block += d_g * sig + d_shift * (1 - sig)
+                tl.store(d_trap + dt_at + s0 * sds + i * sds,
+                         (d_g - d_shift) * d * sig * (1 - sig), mask=sm)
+            tl.store(d_dt + dt_at + s0 * sds + i * sds, d_dt_block, mask=sm)
         else:
             total = carry[None, :] + tl.cumsum(th * pi * d[:, None], axis=0)
             total = total - TWO_PI * tl.floor(total / TWO_PI)
             tl.store(angles + out_at + s0 * sos + out_off, total, mask=m)
             # masked steps add nothing, so the block's last row is its last valid step's
             carry = tl.sum(tl.where((i == BS - 1)[:, None], total, 0.0), axis=0)
-        x, d, g_out = x_next, d_next, g_next
+        x, d, g_out, d_g, d_shift, tr = x_next, d_next, g_next, d_g_next, d_shift_next, tr_next
     if REVERSE:
         tl.store(d_angle0 + init_at, carry, mask=rm)
 
@@ -181,9 +203,20 @@ def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch
         _check_steps("angle0", angle0, (_rows(B, bounds), H, RD))
         angle0 = angle0.contiguous()
     out = torch.empty(B, S, H, RD, device=angles_raw.device, dtype=torch.float32)
-    _angle_launch(angles_raw, dt, out, out, angles_raw, dt, out, block_steps, False, angle0,
-                  bounds)
+    with on_device(angles_raw.device):
+        angle_sum_launch(angles_raw=angles_raw, dt=dt, angles=out, angle0=angle0, bounds=bounds,
+                         block_steps=block_steps).run()
     return out
+
+
+def angle_sum_launch(*, angles_raw: torch.Tensor, dt: torch.Tensor, angles: torch.Tensor,
+                     angle0: Optional[torch.Tensor] = None, bounds: Optional[torch.Tensor] = None,
+                     block_steps: Optional[int] = None) -> Launch:
+    """angle_sum's launch, unchecked: into angles [B, S, H, RD] fp32 of any strides but a
+    contiguous RD; dt may hold more than S steps (those past S are not read); angle0
+    contiguous."""
+    return _angle_launch(angles_raw, dt, angles, angles, angles_raw, dt, angles, block_steps,
+                         False, angle0, bounds, False, dict.fromkeys(_TRAP_ARGS, dt))
 
 
 def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: torch.Tensor,
@@ -195,15 +228,35 @@ def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: tor
     _check_steps("d_angles", d_angles, (B, S, H, RD))
     _check_steps("angles_raw", angles_raw, (B, S, H, RD))
     _check_steps("dt", dt, (B, H, S))
-    d_angles = d_angles.contiguous()
     f32 = dict(device=angles_raw.device, dtype=torch.float32)
-    d_raw = torch.empty(B, S, H, RD, **f32)
-    d_dt = torch.empty(B, H, S, **f32)
-    d_angle0 = torch.empty(_rows(B, bounds), H, RD, **f32)
-    # the kernel reads angles_raw and writes d_raw with one set of strides, dt and d_dt too
-    _angle_launch(angles_raw.contiguous(), dt.contiguous(), d_angles, d_angles, d_raw, d_dt,
-                  d_angle0, block_steps, True, None, bounds)
-    return d_raw, d_dt, d_angle0
+    out = dict(d_raw=torch.empty(B, S, H, RD, **f32), d_dt=torch.empty(B, H, S, **f32),
+               d_angle0=torch.empty(_rows(B, bounds), H, RD, **f32))
+    with on_device(angles_raw.device):
+        angle_sum_backward_launch(d_angles=d_angles.contiguous(),
+                                  angles_raw=angles_raw.contiguous(), dt=dt.contiguous(),
+                                  bounds=bounds, block_steps=block_steps, **out).run()
+    return out["d_raw"], out["d_dt"], out["d_angle0"]
+
+
+def angle_sum_backward_launch(*, d_angles: torch.Tensor, angles_raw: torch.Tensor,
+                              dt: torch.Tensor, d_raw: torch.Tensor, d_dt: torch.Tensor,
+                              d_angle0: torch.Tensor, bounds: Optional[torch.Tensor] = None,
+                              trap: Optional[torch.Tensor] = None,
+                              d_gamma: Optional[torch.Tensor] = None,
+                              d_trap_scale: Optional[torch.Tensor] = None,
+                              d_trap: Optional[torch.Tensor] = None,
+                              block_steps: Optional[int] = None) -> Launch:
+    """angle_sum_backward's launch, unchecked: angles_raw and d_raw [B, S, H, RD] with one set of
+    strides, d_angles with a second one, dt and d_dt [B, H, S] with a third. With trap (given
+    with d_gamma, d_trap_scale and d_trap, all [B, H, S] with dt's strides, trap fp32 or 16-bit,
+    the others fp32), d_dt also gets the shares of DT's gradient through gamma and trap_scale
+    (SPEC section 2) and d_trap is written: Trap's gradient. The steps before S in each row of
+    dt hold the previous step for a sequence's first step (packed sequences)."""
+    fused = dict(zip(_TRAP_ARGS, (trap, d_gamma, d_trap_scale, d_trap)))
+    if trap is None:
+        fused = dict.fromkeys(_TRAP_ARGS, dt)  # unread stand-ins
+    return _angle_launch(angles_raw, dt, d_angles, d_angles, d_raw, d_dt, d_angle0, block_steps,
+                         True, None, bounds, trap is not None, fused)
 
 
 def _rows(B: int, bounds: Optional[torch.Tensor]) -> int:
@@ -215,25 +268,26 @@ def _rows(B: int, bounds: Optional[torch.Tensor]) -> int:
     return bounds.numel() - 1
 
 
+_TRAP_ARGS = ("trap", "d_gamma", "d_trap_scale", "d_trap")
+
+
 def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0,
-                  block_steps: Optional[int],
-                  reverse: bool, angle0: Optional[torch.Tensor],
-                  bounds: Optional[torch.Tensor]) -> None:
+                  block_steps: Optional[int], reverse: bool, angle0: Optional[torch.Tensor],
+                  bounds: Optional[torch.Tensor], fuse_trap: bool, trap_args: dict) -> Launch:
     B, S, H, RD = angles_raw.shape
     BR = next_pow2(RD)
     if block_steps is None:
         block_steps = max(16, min(BLOCK_STEPS, BLOCK_ELEMENTS // BR))
     ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
     assert ao[3] == 1, "the angles' output is contiguous in RD"
-    with on_device(angles_raw.device):
-        Launch(angle_sum_kernel, (_rows(B, bounds) * H,), dict(
-            angles_raw=angles_raw, dt=dt, angle0=angles if angle0 is None else angle0,
-            angles=angles, d_angles=d_angles, d_angles_raw=d_raw, d_dt=d_dt, d_angle0=d_angle0,
-            bounds=angles if bounds is None else bounds, S=S, H=H, RD=RD, sab=ar[0],
-            sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0], sdh=ds[1], sds=ds[2], sob=ao[0],
-            sos=ao[1], soh=ao[2], BS=block_steps, BR=BR, TWO_PI=TWO_PI,
-            REVERSE=reverse, HAS_INIT=angle0 is not None, VARLEN=bounds is not None),
-            dict(num_warps=8)).run()
+    return Launch(angle_sum_kernel, (_rows(B, bounds) * H,), dict(
+        angles_raw=angles_raw, dt=dt, angle0=angles if angle0 is None else angle0,
+        angles=angles, d_angles=d_angles, d_angles_raw=d_raw, d_dt=d_dt, d_angle0=d_angle0,
+        bounds=angles if bounds is None else bounds, S=S, H=H, RD=RD, sab=ar[0],
+        sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0], sdh=ds[1], sds=ds[2], sob=ao[0],
+        sos=ao[1], soh=ao[2], BS=block_steps, BR=BR, TWO_PI=TWO_PI,
+        REVERSE=reverse, HAS_INIT=angle0 is not None, VARLEN=bounds is not None,
+        TRAP=fuse_trap, **trap_args), dict(num_warps=8))
 
 
 def decay_pieces(adt: torch.Tensor, chunk_size: int):
@@ -245,14 +299,22 @@ def decay_pieces(adt: torch.Tensor, chunk_size: int):
     if not 1 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK}, got {chunk_size}")
     nc = cdiv(S, chunk_size)
-    dev = adt.device
-    da_cs = torch.empty(B, H, S, device=dev, dtype=torch.float32)
-    da_cs_rev = torch.empty(B, H, S, device=dev, dtype=torch.float32)
-    segsum = torch.empty(B, H, nc, chunk_size, chunk_size, device=dev, dtype=torch.float32)
-    st = adt.stride()
-    with on_device(dev):
-        Launch(decay_pieces_kernel, (B * H * nc,), dict(
-            adt=adt, da_cs=da_cs, da_cs_rev=da_cs_rev, segsum=segsum, S=S, n_bh=B * H, nc=nc,
-            C=chunk_size, sab=st[0], sah=st[1], sas=st[2], H=H, CP=next_pow2(chunk_size)),
-            {}).run()
+    f32 = dict(device=adt.device, dtype=torch.float32)
+    da_cs, da_cs_rev = torch.empty(B, H, S, **f32), torch.empty(B, H, S, **f32)
+    segsum = torch.empty(B, H, nc, chunk_size, chunk_size, **f32)
+    with on_device(adt.device):
+        decay_pieces_launch(adt=adt, da_cs=da_cs, da_cs_rev=da_cs_rev, segsum=segsum,
+                            chunk_size=chunk_size).run()
     return da_cs, da_cs_rev, segsum
+
+
+def decay_pieces_launch(*, adt: torch.Tensor, da_cs: torch.Tensor, da_cs_rev: torch.Tensor,
+                        segsum: torch.Tensor, chunk_size: int) -> Launch:
+    """decay_pieces' launch, unchecked: into contiguous fp32 da_cs, da_cs_rev [B, H, S] and
+    segsum [B, H, ceil(S / C), C, C]."""
+    B, H, S = adt.shape
+    nc = cdiv(S, chunk_size)
+    st = adt.stride()
+    return Launch(decay_pieces_kernel, (B * H * nc,), dict(
+        adt=adt, da_cs=da_cs, da_cs_rev=da_cs_rev, segsum=segsum, S=S, n_bh=B * H, nc=nc,
+        C=chunk_size, sab=st[0], sah=st[1], sas=st[2], H=H, CP=next_pow2(chunk_size)), {})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,8 @@ from ..kernels import (chunk_forward, chunk_grads, chunk_output, chunk_state, pr
 from ..problem import Problem
 from ..runtime import resources
 from ..runtime.device import check_device, on_device
-from ..runtime.plans import placeholder
+from ..runtime.launcher import Launch
+from ..runtime.plans import CallPlan, PlanCache, placeholder
 from . import packed
 from .bwd_fwd import check_dims, check_tensor, one_chunk_size, pad_steps
 from .packed import Packing
@@ -157,49 +158,103 @@ configs.register_cache(kernel_constants.cache_clear)
 
 
 def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
-    """The kernels' view of a call in its layout: the sequence inputs padded to whole chunks,
-    the rotation angles and decay pieces (preprocess), step_terms' tables and the states
-    entering each chunk (the state pass), with the kernels' constants `m` (kernel_constants)."""
+    """The kernels' view of a call in its layout, by name: the sequence inputs padded to whole
+    chunks and made contiguous where a kernel needs it, the small inputs contiguous, and the
+    buffers that `prepare_launches` writes (the running angles, the decay pieces, step_terms'
+    tables, the states entering each chunk), with the kernels' constants `m`
+    (kernel_constants). A packed call (pk) adds its chunk and step boundaries."""
     m = kernel_constants(pb)
-    C = m.C
-    kpb = dataclasses.replace(pb, C=C)
-    S_pad = m.S_pad
-    a = {name: _pad_steps(x[name], 1, S_pad) for name in ("Q", "K", "V", "Z")}
-    if a["Z"] is not None:
-        a["Z"] = a["Z"].contiguous()  # chunk_forward reads z (and dout, out, dz) contiguous
+    S_pad, B, H, S = m.S_pad, pb.B, pb.H, pb.S
+    f32 = dict(device=pb.device, dtype=torch.float32)
+    env = {name: _pad_steps(x[name], 1, S_pad) for name in ("Q", "K", "V", "Z")}
+    # chunk_output reads V, dout and z with one set of strides; chunk_forward reads z contiguous
+    env["V"] = env["V"].contiguous()
+    if env["Z"] is not None:
+        env["Z"] = env["Z"].contiguous()
     # step_terms reads DT and Trap as contiguous [B*H, S_pad] rows
     for name in ("DT", "Trap", "ADT"):
-        a[name] = _pad_steps(x[name], 2, S_pad).contiguous()
-    angles = _pad_steps(preprocess.angle_sum(x["Angles"], x["DT"], x["angle0"],
-                                             bounds=None if pk is None else pk.step_bounds),
-                        1, S_pad)
+        env[name] = _pad_steps(x[name], 2, S_pad).contiguous()
+    for name in ("Q_bias", "K_bias", "MIMO_V", "MIMO_Z", "MIMO_Out", "D", "angle0"):
+        env[name] = None if x[name] is None else x[name].contiguous()
+    # the angles' backward writes d Angles with the strides it reads Angles with
+    env["Angles"] = x["Angles"].contiguous()
+    env["angles"] = torch.empty(B, S_pad, H, m.RD, **f32)
+    env["angles_s"] = env["angles"]  # the running sum's steps, followed by zeros up to S_pad
+    if S < S_pad:
+        env["angles_s"] = env["angles"][:, :S]
+        env["angles"][:, S:].zero_()
     # ADT zero-padded: past S, da_cs keeps its last value and nothing decays
-    a["da_cs"], a["da_cs_rev"], a["segsum"] = preprocess.decay_pieces(a["ADT"], C)
-    small = {name: x[name].contiguous() for name in ("Q_bias", "K_bias", "MIMO_V")}
-    states = torch.empty(pb.B, pb.H, m.nc, pb.N, pb.P, device=pb.device, dtype=torch.float32)
-    tables = step_tables(m, a, angles)
-    state_args = dict(k=a["K"], v=a["V"], k_bias=small["K_bias"], mimo_v=small["MIMO_V"],
-                      da_cs=a["da_cs"], **tables, states=states, inc=states, consts=m)
-    cfg = resources.choose(("operator_state", kpb.N, kpb.P, kpb.R, C, kpb.RD, pb.dtype),
+    env.update(da_cs=torch.empty(B, H, S_pad, **f32), da_cs_rev=torch.empty(B, H, S_pad, **f32),
+               segsum=torch.empty(B, H, m.nc, m.C, m.C, **f32))
+    numel, views = step_terms.table_views(m)
+    buf = torch.empty(numel, **f32)
+    env.update({name: buf.as_strided(size, stride, off) for name, size, stride, off in views})
+    env["states"] = torch.empty(B, H, m.nc, pb.N, pb.P, **f32)
+    env["init"] = _entering_state(x, pk)
+    env["step_bounds"] = env["chunk_bounds"] = None
+    if pk is not None:
+        env["step_bounds"], env["chunk_bounds"] = pk.step_bounds, pk.chunk_bounds
+    env["m"] = m
+    return env
+
+
+def prepare_launches(pb: Problem, env: dict) -> list:
+    """The launches that fill `prepare`'s buffers: the running angles, the decay pieces,
+    step_terms' tables, then the state pass in the config its shared-memory probe picks."""
+    m = env["m"]
+    kpb = dataclasses.replace(pb, C=m.C)
+    tables = {name: env[name] for name in ("terms", "cos", "sin")}
+    launches = [
+        preprocess.angle_sum_launch(angles_raw=env["Angles"], dt=env["DT"],
+                                    angles=env["angles_s"], angle0=env["angle0"],
+                                    bounds=env["step_bounds"]),
+        preprocess.decay_pieces_launch(adt=env["ADT"], da_cs=env["da_cs"],
+                                       da_cs_rev=env["da_cs_rev"], segsum=env["segsum"],
+                                       chunk_size=m.C),
+        step_terms.launch(angles=env["angles"], da_cs=env["da_cs"], da_cs_rev=env["da_cs_rev"],
+                          dt=env["DT"], trap=env["Trap"], consts=m, **tables)]
+    state_args = dict(k=env["K"], v=env["V"], k_bias=env["K_bias"], mimo_v=env["MIMO_V"],
+                      da_cs=env["da_cs"], **tables, states=env["states"], inc=env["states"],
+                      consts=m)
+    cfg = resources.choose(("operator_state", kpb.N, kpb.P, kpb.R, m.C, kpb.RD, pb.dtype),
                            configs.state_candidates(kpb),
                            lambda cfg: chunk_state.launches(**state_args, cfg=cfg)[0], pb.device)
-    with on_device(pb.device):
-        for launch in chunk_state.launches(**state_args, cfg=cfg, init=_entering_state(x, pk),
-                                           bounds=None if pk is None else pk.chunk_bounds):
-            launch.run()
-    return dict(a, **tables, **small, angles=angles, states=states, m=m)
+    return launches + chunk_state.launches(**state_args, cfg=cfg, init=env["init"],
+                                           bounds=env["chunk_bounds"])
 
 
-def step_tables(m: configs.Constants, a: dict, angles: Tensor) -> dict:
-    """step_terms' tables (terms, cos, sin) of a prepared call's padded inputs `a` and running
-    angles, per chunk."""
-    numel, views = step_terms.table_views(m)
-    buf = torch.empty(numel, device=angles.device, dtype=torch.float32)
-    tables = {name: buf.as_strided(size, stride, off) for name, size, stride, off in views}
-    with on_device(angles.device):
-        step_terms.launch(angles=angles, da_cs=a["da_cs"], da_cs_rev=a["da_cs_rev"],
-                          dt=a["DT"], trap=a["Trap"], consts=m, **tables).run()
-    return tables
+# Call plans of the operator's launch groups (runtime/plans.py), per (group, the Problem in the
+# kernels' layout, the call's flags, the strides of the inputs that the kernels read with their
+# strides): every other tensor is contiguous or allocated here, so the launches' integer
+# arguments follow from the key. Packed calls, whose layout follows the boundaries' values,
+# build their plans afresh.
+_plans: PlanCache[CallPlan] = PlanCache()
+_STRIDED = ("Q", "K", "V", "Z", "DT", "Trap", "ADT", "Angles", "dout")
+
+
+def plan_key(group: str, pb: Problem, x: dict, env: dict, *flags) -> Optional[tuple]:
+    """The key of a launch group's plan (None: not cached; packed sequences, or a tensor given
+    as two arguments, which a plan would bind from one name)."""
+    if x["cu"] is not None or x["aliased"]:
+        return None
+    # The absent tensors too: a plan built with an optional input present (MIMO_Z without Z,
+    # say) binds its name, which a call without it could not fill.
+    absent = tuple([name for name, value in env.items() if value is None])
+    return (group, pb, flags, absent) + tuple([None if env.get(n) is None else env[n].stride()
+                                               for n in _STRIDED])
+
+
+def launch_all(key: Optional[tuple], env: dict, build: Callable[[], list],
+               device: torch.device) -> None:
+    """Run the launches that build() describes, whose tensor arguments are env's (by name) or
+    the device's placeholder, through the call plan kept under key (built from them when it is
+    missing or key is None)."""
+    plan = None if key is None else _plans.get(key)
+    if plan is None:
+        plan = CallPlan.build(None, build(), env, placeholder(device))
+        if key is not None:
+            _plans.put(key, plan)
+    plan.launch(env)
 
 
 def _previous_step(x: dict, pk: Optional[Packing]) -> Tuple[Tensor, Tensor, Tensor]:
@@ -253,48 +308,52 @@ def _initial_state_grads(x: dict, pk: Optional[Packing], d_entering: Tensor, d_a
                  v0=(d_psiv * x["MIMO_V"][None]).sum(2))
 
 
-def _output_args(pb: Problem, x: dict, c: dict) -> dict:
-    """chunk_forward's inputs of a prepared call, stand-ins for the absent ones."""
-    stand = placeholder(pb.device)
-    norm_w = x["norm_weight"]
-    if x["fuse_norm"]:
-        norm_w = (torch.ones(pb.H * pb.P, device=pb.device, dtype=torch.float32)
-                  if norm_w is None else norm_w.reshape(pb.H * pb.P).contiguous())
-    opt = lambda name: stand if x[name] is None else x[name].contiguous()  # noqa: E731
-    return dict(q=c["Q"], k=c["K"], v=c["V"], z=stand if c["Z"] is None else c["Z"],
-                q_bias=c["Q_bias"], k_bias=c["K_bias"], mimo_v=c["MIMO_V"],
-                mimo_o=opt("MIMO_Out"), mimo_z=opt("MIMO_Z"), d=opt("D"),
-                norm_w=stand if norm_w is None else norm_w, terms=c["terms"], cos=c["cos"],
-                sin=c["sin"], da_cs=c["da_cs"], segsum=c["segsum"], states=c["states"],
-                eps=x["eps"], has_z=pb.has_z, has_d=pb.has_d, has_out=x["MIMO_Out"] is not None,
-                norm=x["fuse_norm"], consts=c["m"])
-
-
 def tiled_output(x: dict) -> bool:
     """Whether the output stage runs on chunk_output's tiles (MIMO_Out given, no fused norm)
     rather than chunk_forward's (which also has the per-rank output and the norm)."""
     return x["MIMO_Out"] is not None and not x["fuse_norm"]
 
 
-def _tiled_output(pb: Problem, x: dict, c: dict, grad: bool, **outs) -> None:
-    """chunk_output's launch of the whole operator (FORWARD, or GRAD with `grad`) on a prepared
-    call, in the config its shared-memory probe picks; outs: out, dout, dz, dy, part_o, part_z
-    (stand-ins where the mode has none)."""
-    m, stand = c["m"], placeholder(pb.device)
+# the output stage's outputs; those a mode does not write are the placeholder
+_OUTPUT_STAGE = ("out", "dout", "dz", "dy", "part_o", "part_z", "part_w", "final_state")
+
+
+def output_launch(pb: Problem, x: dict, env: dict, tiled: bool, grad: bool) -> Launch:
+    """The output stage's launch on a prepared call: without `grad` the forward (out, and
+    final_state unless tiled), with it the gradient (dz, dy, the partial sums part_o, part_z,
+    part_w, given dout); on chunk_output's tiles with `tiled` (in the config its shared-memory
+    probe picks), else on chunk_forward."""
+    m, stand = env["m"], placeholder(pb.device)
+    opt = lambda name: stand if env.get(name) is None else env[name]  # noqa: E731
+    common = dict(q=env["Q"], k=env["K"], v=env["V"], z=opt("Z"), q_bias=env["Q_bias"],
+                  k_bias=env["K_bias"], mimo_v=env["MIMO_V"], mimo_o=opt("MIMO_Out"),
+                  mimo_z=opt("MIMO_Z"), d=opt("D"), terms=env["terms"], cos=env["cos"],
+                  sin=env["sin"], segsum=env["segsum"], states=env["states"], consts=m,
+                  **{name: opt(name) for name in _OUTPUT_STAGE[:-2]})
+    if not tiled:
+        return chunk_forward.launch(**common, da_cs=env["da_cs"], norm_w=opt("norm_w"),
+                                    part_w=opt("part_w"), final_state=opt("final_state"),
+                                    eps=x["eps"], has_z=pb.has_z, has_d=pb.has_d,
+                                    has_out=x["MIMO_Out"] is not None, norm=x["fuse_norm"],
+                                    grad=grad)
     kpb = dataclasses.replace(pb, C=m.C)
-    # dout and z are read with V's strides
-    args = dict(q=c["Q"], k=c["K"], v=c["V"].contiguous(), z=stand if c["Z"] is None else c["Z"],
-                q_bias=c["Q_bias"], k_bias=c["K_bias"], mimo_v=c["MIMO_V"],
-                mimo_o=x["MIMO_Out"].contiguous(),
-                mimo_z=stand if x["MIMO_Z"] is None else x["MIMO_Z"].contiguous(),
-                d=stand if x["D"] is None else x["D"].contiguous(), segsum=c["segsum"],
-                terms=c["terms"], cos=c["cos"], sin=c["sin"], states=c["states"], consts=m,
-                grad=grad, **outs)
     key = ("operator_output", grad, pb.N, pb.P, pb.R, m.C, m.U, m.RD, pb.dtype, pb.has_z,
            pb.has_d)
     cfg = resources.choose(key, configs.output_candidates(kpb),
-                           lambda cfg: chunk_output.operator_launch(**args, cfg=cfg), pb.device)
-    chunk_output.operator_launch(**args, cfg=cfg).run()
+                           lambda cfg: chunk_output.operator_launch(**common, grad=grad, cfg=cfg),
+                           pb.device)
+    return chunk_output.operator_launch(**common, grad=grad, cfg=cfg)
+
+
+def _norm_weight(pb: Problem, x: dict) -> Optional[Tensor]:
+    """chunk_forward's norm weight [H*P] fp32 of a call with the fused norm (ones for None),
+    else None."""
+    if not x["fuse_norm"]:
+        return None
+    w = x["norm_weight"]
+    if w is None:
+        return torch.ones(pb.H * pb.P, device=pb.device, dtype=torch.float32)
+    return w.reshape(pb.H * pb.P).contiguous()
 
 
 def _rotate(x: Tensor, angle: Tensor, inverse: bool = False) -> Tensor:
@@ -318,16 +377,6 @@ def _final_k(pb: Problem, k_last: Tensor, k_bias: Tensor, angle: Tensor) -> Tens
     return _rotate(kb, angle)
 
 
-def trap_grads(d_gamma: Tensor, d_trap_scale: Tensor, DT: Tensor, Trap: Tensor
-               ) -> Tuple[Tensor, Tensor]:
-    """(d DT, d Trap) [B, H, S] from the gradients of gamma[t] = DT[t] sigmoid(Trap[t]) and
-    trap_scale[t] = gamma[t] + DT[t+1] sigmoid(-Trap[t+1]) (whose second term is step t + 1's)."""
-    sig = torch.sigmoid(Trap.float())
-    d_gamma = d_gamma + d_trap_scale
-    d_shift = torch.nn.functional.pad(d_trap_scale[..., :-1], (1, 0))  # step t's in t - 1's
-    return d_gamma * sig + d_shift * (1 - sig), (d_gamma - d_shift) * DT * sig * (1 - sig)
-
-
 TENSOR_ARGS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V", "MIMO_Z",
                "MIMO_Out", "Angles", "D", "Z", "norm_weight", "angle0", "state0", "k0", "v0")
 
@@ -338,29 +387,37 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     states' few small ops are a visible share of a small shape's host time)."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     tiled = tiled_output(x) and not with_states
-    c = prepare(lpb, xl, pk)
-    m = c["m"]
-    dev, stand = pb.device, placeholder(pb.device)
+    env = prepare(lpb, xl, pk)
+    m = env["m"]
     ranks = () if x["MIMO_Out"] is not None else (pb.R,)
-    out = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=dev, dtype=x["Q"].dtype)
-    if tiled:
-        _tiled_output(lpb, xl, c, False, out=out, dout=stand, dz=stand, dy=stand, part_o=stand,
-                      part_z=stand)
-    else:
-        final_state = torch.empty(lpb.B, pb.H, pb.P, pb.N, device=dev, dtype=torch.float32)
-        chunk_forward.launch(**_output_args(lpb, xl, c), dout=stand, out=out, dy=stand,
-                             dz=stand, part_o=stand, part_z=stand, part_w=stand,
-                             final_state=final_state, grad=False)
+    env["out"] = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=pb.device,
+                             dtype=x["Q"].dtype)
+    if not tiled:
+        env["final_state"] = torch.empty(lpb.B, pb.H, pb.P, pb.N, device=pb.device,
+                                         dtype=torch.float32)
+        env["norm_w"] = _norm_weight(pb, x)
+    launch_all(plan_key("forward", lpb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
+               lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled, False)],
+               pb.device)
+    out = env["out"]
     out = out[:, :pb.S] if pk is None else packed.unpack(out, 1, pk)
     if not with_states:
         return (out.contiguous(),)
-    angle = _last_rows(c["angles"], pk, lpb.S).clone()  # [., H, RD]
+    angle = _last_rows(env["angles"], pk, lpb.S).clone()  # [., H, RD]
+    final_state = env["final_state"]
     if pk is not None:
         # a sequence's final state enters its pad chunk
-        final_state = c["states"][0].index_select(1, pk.pad_chunks).permute(1, 0, 3, 2)
+        final_state = env["states"][0].index_select(1, pk.pad_chunks).permute(1, 0, 3, 2)
     k_last = _last_rows(xl["K"], pk, lpb.S)
     return (out.contiguous(), angle, final_state.contiguous(),
             _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, lpb.S).clone())
+
+
+def call_inputs(opts: dict, tensors: tuple) -> dict:
+    """A call's arguments by name: opts, the tensors by TENSOR_ARGS' names, and "aliased": True
+    when one tensor is given as two arguments."""
+    given = [id(t) for t in tensors if t is not None]
+    return dict(opts, **dict(zip(TENSOR_ARGS, tensors)), aliased=len(set(given)) < len(given))
 
 
 class Mamba3Mimo(torch.autograd.Function):
@@ -369,7 +426,7 @@ class Mamba3Mimo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pb: Problem, opts: dict, *tensors):
-        x = dict(opts, **dict(zip(TENSOR_ARGS, tensors)))
+        x = call_inputs(opts, tensors)
         outs = _forward(pb, x, opts["return_state"])
         ctx.pb, ctx.opts = pb, opts
         ctx.save_for_backward(*tensors)
@@ -377,7 +434,7 @@ class Mamba3Mimo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, *d_states):
-        x = dict(ctx.opts, **dict(zip(TENSOR_ARGS, ctx.saved_tensors)))
+        x = call_inputs(ctx.opts, ctx.saved_tensors)
         with on_device(ctx.pb.device):
             return (None, None) + _backward(ctx.pb, x, d_out, d_states)
 
@@ -404,11 +461,12 @@ def _fwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tens
             k0: Optional[Tensor], v0: Optional[Tensor], cu_seqlens: Optional[Tensor],
             chunk_size: int, rotary_dim_divisor: int, fuse_norm: bool,
             eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
-                               MIMO_Out, Angles, D, Z, norm_weight, angle0, state0, k0, v0)))
-    pb, cu = _problem(t, cu_seqlens, chunk_size, rotary_dim_divisor, fuse_norm)
+    t = call_inputs(dict(fuse_norm=fuse_norm, eps=eps),
+                    (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D,
+                     Z, norm_weight, angle0, state0, k0, v0))
+    pb, t["cu"] = _problem(t, cu_seqlens, chunk_size, rotary_dim_divisor, fuse_norm)
     with on_device(pb.device):
-        return _forward(pb, dict(t, fuse_norm=fuse_norm, eps=eps, cu=cu))
+        return _forward(pb, t)
 
 
 @_fwd_op.register_fake
@@ -434,11 +492,12 @@ def _bwd_op(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tens
             d_state: Optional[Tensor], d_k: Optional[Tensor], d_v: Optional[Tensor],
             cu_seqlens: Optional[Tensor], chunk_size: int, rotary_dim_divisor: int,
             fuse_norm: bool, eps: float) -> List[Tensor]:
-    t = dict(zip(TENSOR_ARGS, (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z,
-                               MIMO_Out, Angles, D, Z, norm_weight, angle0, state0, k0, v0)))
-    pb, cu = _problem(t, cu_seqlens, chunk_size, rotary_dim_divisor, fuse_norm)
+    t = call_inputs(dict(fuse_norm=fuse_norm, eps=eps),
+                    (Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D,
+                     Z, norm_weight, angle0, state0, k0, v0))
+    pb, t["cu"] = _problem(t, cu_seqlens, chunk_size, rotary_dim_divisor, fuse_norm)
     with on_device(pb.device):
-        grads = _backward(pb, dict(t, fuse_norm=fuse_norm, eps=eps, cu=cu), d_out,
+        grads = _backward(pb, t, d_out,
                           (d_angle, d_state, d_k, d_v))
     return [Q.new_empty(0) if g is None else g.contiguous() for g in grads]
 
@@ -470,57 +529,61 @@ _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one)."""
     pk, lpb, xl = layout(pb, x, x["cu"])
-    c = prepare(lpb, xl, pk)
-    m = c["m"]
+    # a plan built with dout as one of the inputs would bind them from one name
+    x = dict(x, aliased=x["aliased"] or any(d_out is xl[n] for n in SEQ_DIM if xl[n] is not None))
+    env = prepare(lpb, xl, pk)
+    m = env["m"]
     B, L, H, G, N, P, R = lpb.B, lpb.S, pb.H, pb.G, pb.N, pb.P, pb.R  # L: the layout's steps
     n_tiles = m.nc  # of the output stage: one chunk each
     S_pad, nc, dev = m.S_pad, m.nc, pb.device
     f32 = dict(device=dev, dtype=torch.float32)
-    stand = placeholder(dev)
     # the gradients of the final angle, state, k and v (None where unused)
     d_angle_end, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
-    # of the running angles only the last step's is read below (the kernels read cos and sin)
-    angles = c.pop("angles")
-    angle = None if d_k is None else _last_rows(angles, pk, L).clone()
-    del angles
     if pk is None:
-        dout = _pad_steps(d_out.contiguous(), 1, S_pad)
+        env["dout"] = _pad_steps(d_out.contiguous(), 1, S_pad)
         d_final, d_ends = None if d_state is None else d_state.transpose(-1, -2), None
     else:
-        dout = packed.pack(d_out, 1, pk)
+        env["dout"] = packed.pack(d_out, 1, pk)
         d_ends = (torch.zeros(pk.n_seq, H, N, P, **f32) if d_state is None
                   else d_state.transpose(-1, -2).contiguous())
         d_final = d_ends[-1:]  # the last sequence's, where the reverse scan starts
-    dy = torch.empty(B, S_pad, R, H, P, **f32)
+    env["dy"] = torch.empty(B, S_pad, R, H, P, **f32)
     # dZ in Z's dtype: the kernel rounds each element once, as the cast at the end would
-    dz = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype) if pb.has_z else stand
-    part_o = torch.empty(B * H, n_tiles, R, P, **f32) if x["MIMO_Out"] is not None else stand
-    part_z = torch.empty(B * H, n_tiles, R, P, **f32) if pb.has_z else stand
-    part_w = torch.empty(B * H, nc, P, **f32) if x["fuse_norm"] else stand
-    if tiled_output(x):
-        _tiled_output(lpb, xl, c, True, out=stand, dout=dout, dz=dz, dy=dy, part_o=part_o,
-                      part_z=part_z)
-    else:
-        chunk_forward.launch(**_output_args(lpb, xl, c), dout=dout, out=stand, dy=dy, dz=dz,
-                             part_o=part_o, part_z=part_z, part_w=part_w, final_state=stand,
-                             grad=True)
+    if pb.has_z:
+        env["dz"] = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype)
+        env["part_z"] = torch.empty(B * H, n_tiles, R, P, **f32)
+    if x["MIMO_Out"] is not None:
+        env["part_o"] = torch.empty(B * H, n_tiles, R, P, **f32)
+    if x["fuse_norm"]:
+        env["part_w"] = torch.empty(B * H, nc, P, **f32)
+    tiled = tiled_output(x)
+    if not tiled:
+        env["norm_w"] = _norm_weight(pb, x)
+    launch_all(plan_key("output_grad", lpb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
+               lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled, True)], dev)
+    # of the running angles only the last step's is read below (the kernels read cos and sin)
+    angle = None if d_k is None else _last_rows(env["angles"], pk, L).clone()
+    del env["angles"], env["angles_s"]
     # the output stage's per-chunk partial sums reduced now, before phase 2's buffers exist
     grads = {}
     if pb.has_z:
-        grads["MIMO_Z"] = part_z.view(B, H, n_tiles, R, P).sum((0, 2))
+        grads["MIMO_Z"] = env.pop("part_z").view(B, H, n_tiles, R, P).sum((0, 2))
     if x["MIMO_Out"] is not None:
-        grads["MIMO_Out"] = part_o.view(B, H, n_tiles, R, P).sum((0, 2))
-    if x["fuse_norm"] and x["norm_weight"] is not None:
-        grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
-            x["norm_weight"].shape)
-    del part_o, part_z, part_w
-    g = chunk_grads.raw_y_grads(
-        q=c["Q"], k=c["K"], v=c["V"], q_bias=c["Q_bias"], k_bias=c["K_bias"],
-        mimo_v=c["MIMO_V"], d=stand if x["D"] is None else x["D"].contiguous(),
-        terms=c["terms"], cos=c["cos"], sin=c["sin"], da_cs=c["da_cs"],
-        da_cs_rev=c["da_cs_rev"], segsum=c["segsum"], dy=dy, states=c["states"],
-        d_final_state=d_final, consts=m, precision=m.PREC,
-        bounds=None if pk is None else pk.chunk_bounds, d_ends=d_ends)
+        grads["MIMO_Out"] = env.pop("part_o").view(B, H, n_tiles, R, P).sum((0, 2))
+    if x["fuse_norm"]:
+        part_w = env.pop("part_w")
+        if x["norm_weight"] is not None:
+            grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
+                x["norm_weight"].shape)
+        del part_w
+    g = chunk_grads.buffers(m, dev, d_final)
+    env.update(g, d_ends=d_ends)
+    launch_all(plan_key("phase_2", lpb, x, env), env, lambda: chunk_grads.launches(
+        q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
+        mimo_v=env["MIMO_V"], d=placeholder(dev) if env["D"] is None else env["D"],
+        terms=env["terms"], cos=env["cos"], sin=env["sin"], da_cs=env["da_cs"],
+        da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env["dy"], states=env["states"],
+        consts=m, precision=m.PREC, bounds=env["chunk_bounds"], d_ends=d_ends, **g), dev)
     # the largest buffers (the states, their gradients and dy: 640 MiB at N128_P64_R4_C16) are
     # dropped here, before the reductions and casts below allocate the inputs' gradients; of
     # the states' gradients only those entering each sequence's first chunk are kept
@@ -529,8 +592,11 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if x["state0"] is not None:
         d_entering = (dstates[:, :, 0].clone() if pk is None else
                       dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
-    del dstates, dy, dout, c
-    # views of this call's own buffers: the final states' gradients are added in place
+    angle_in = dict(angles_raw=env["Angles"], dt=env["DT"], trap=env["Trap"],
+                    bounds=env["step_bounds"])
+    dz = env.get("dz")
+    del dstates
+    env.clear()
     dK, d_angles = g["dk"][:, :L], g["d_angles"][:, :L]
     if d_k is not None:
         # final_k = rot(K + K_bias) at the last step, per value head: its gradient rotated back
@@ -545,11 +611,18 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
                                   - d_k[..., :RD] * kr[..., half:half + RD]).sum(1), pk, L)
     if d_angle_end is not None:
         _add_last_rows(d_angles, d_angle_end, pk, L)
-    d_raw_angles, d_dt_angles, d_angle0 = preprocess.angle_sum_backward(
-        d_angles, xl["Angles"], xl["DT"], bounds=None if pk is None else pk.step_bounds)
-    d_dt, d_trap = trap_grads(g["d_gamma"][..., :L], g["d_trap_scale"][..., :L], xl["DT"],
-                              xl["Trap"])
-    d_dt = d_dt + d_dt_angles
+    # the angles' backward, which also takes DT's and Trap's gradients through gamma and
+    # trap_scale, reads d_angles with the strides of g's [B, S_pad, H, RD] and the per-step
+    # terms with those of the padded DT
+    angle_env = dict(angle_in, d_angles=d_angles, d_raw=torch.empty(B, L, H, m.RD, **f32),
+                     d_dt=torch.empty(B, H, S_pad, **f32),
+                     d_angle0=torch.empty(B if pk is None else pk.n_seq, H, m.RD, **f32),
+                     d_gamma=g.pop("d_gamma"), d_trap_scale=g.pop("d_trap_scale"),
+                     d_trap=torch.empty(B, H, S_pad, **f32))
+    launch_all(plan_key("angles_grad", lpb, x, {}), angle_env,
+               lambda: [preprocess.angle_sum_backward_launch(**angle_env)], dev)
+    d_raw_angles, d_angle0 = angle_env["d_raw"], angle_env["d_angle0"]
+    d_dt, d_trap = angle_env["d_dt"][..., :L], angle_env["d_trap"][..., :L]
     dV = g["dv"][:, :L]
     if d_v is not None:
         _add_last_rows(dV, d_v, pk, L)
@@ -575,7 +648,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     out = []
     for name in TENSOR_ARGS:
         t = x[name]
-        out.append(None if t is None or name not in grads else grads[name].to(t.dtype))
+        g = grads.get(name) if t is not None else None
+        out.append(g if g is None or g.dtype == t.dtype else g.to(t.dtype))
     return tuple(out)
 
 

@@ -1,0 +1,124 @@
+"""The whole operator's call plans (phases/operator.py `launch_all`): a repeated call with the
+same Problem, flags and strides replays the launch groups of the first with its own tensors and
+gives bit for bit what a fresh plan gives; a tensor given as two arguments never leaves a plan
+that binds both from one name."""
+import pytest
+import torch
+
+from conftest import DEVICE
+from test_operator import CASES, _leaves, _run
+from test_reference_operator import make_args
+from mamba3_mimo import configs, mamba3_mimo
+from mamba3_mimo.phases import operator
+from mamba3_mimo.runtime.plans import placeholder
+
+FP32 = torch.float32
+
+
+def _call(case: str, seed: int, return_state: bool, **changes):
+    """(outputs, gradients) of the operator on fresh fp32 leaves of CASES[case] (`changes`
+    replaces arguments by name, each a function of the leaves)."""
+    make_kw, op_kw, w_shape = CASES[case]
+    args = make_args(**make_kw, seed=seed)
+    w64 = None if w_shape is None else 1 + 0.3 * torch.randn(
+        w_shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    leaves, w = _leaves(args, FP32, DEVICE, w64)
+    for name, change in changes.items():
+        leaves[name] = change(leaves)
+    return _run(mamba3_mimo, leaves, w, op_kw, return_state=return_state)
+
+
+@pytest.mark.parametrize("return_state", [False, True], ids=["out_only", "states"])
+@pytest.mark.parametrize("case", ["z_d_gqa", "per_rank", "norm_w"])
+def test_replayed_call_matches_a_fresh_plan(case, return_state):
+    """A second call with other inputs of the same shapes runs on the first call's plans (none
+    added) and equals bit for bit the same call on fresh plans: chunk_output's tiles (out only),
+    chunk_forward (the states, the per-rank output, the norm), S not a multiple of the chunk."""
+    _call(case, 1, return_state)
+    n_plans = len(operator._plans)
+    assert n_plans >= 4, "forward, output gradient, phase 2 and the angles' backward"
+    replayed = _call(case, 2, return_state)
+    assert len(operator._plans) == n_plans, "the second call built plans of its own"
+    configs.clear_caches()
+    _assert_identical(replayed, _call(case, 2, return_state))
+
+
+def _assert_identical(got, want) -> None:
+    """Outputs and gradients of two _call's equal bit for bit."""
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for name in w:
+            assert torch.equal(g[name], w[name]), name
+
+
+def _same_tensor(leaves):
+    """K_bias given as the very tensor Q_bias is (both [H, R, N] fp32)."""
+    return leaves["Q_bias"]
+
+
+def _equal_copy(leaves):
+    """K_bias a separate leaf equal to Q_bias."""
+    return leaves["Q_bias"].detach().clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("aliased_first", [True, False], ids=["aliased_first", "plain_first"])
+def test_one_tensor_given_twice(aliased_first):
+    """No plan is kept from a call that passes one tensor as two arguments (it would bind both
+    from one name); calls with and without the alias, in either order, equal a call on two
+    equal tensors. The alias's gradient is the sum of both arguments' gradients."""
+    plain = _call("z_d_gqa", 3, False, K_bias=_equal_copy)
+    configs.clear_caches()
+    order = [_same_tensor, _equal_copy] if aliased_first else [_equal_copy, _same_tensor]
+    for change in order:
+        outs, grads = _call("z_d_gqa", 3, False, K_bias=change)
+        assert torch.equal(outs["out"], plain[0]["out"])
+        if change is _same_tensor:
+            assert len(operator._plans) == (0 if aliased_first else 4)
+            torch.testing.assert_close(grads["Q_bias"],
+                                       plain[1]["Q_bias"] + plain[1]["K_bias"])
+        else:
+            for name, g in plain[1].items():
+                assert torch.equal(grads[name], g), name
+
+
+def test_output_gradient_given_as_an_input():
+    """out.backward(V) with V itself the output's gradient (same shape and dtype): the backward
+    keeps no plan that binds dout from V's name, and a later call with a separate dout of equal
+    values gives the same gradients."""
+    make_kw = CASES["z_d_gqa"][0]
+    grads = []
+    for separate in (False, True):
+        leaves, _ = _leaves(make_args(**make_kw, seed=4), FP32, DEVICE, None)
+        out = mamba3_mimo(**leaves)
+        v = leaves["V"]
+        out.backward(v.detach().clone() if separate else v)
+        if not separate:
+            assert all(key[0] != "output_grad" for key in operator._plans.entries)
+        grads.append({n: leaves[n].grad.clone() for n in ("Q", "K", "Z", "MIMO_V")})
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
+def test_plans_hold_no_tensors_of_a_call():
+    """A cached plan keeps no input, output or buffer of a call alive: its launches' tensor
+    arguments are names, except the kept placeholder."""
+    _call("z_d_gqa", 1, False)
+    kept = placeholder(torch.empty(0, device=DEVICE).device)
+    assert len(operator._plans) >= 4
+    for plan in operator._plans.entries.values():
+        for bound, template in zip(plan.group.bounds, plan.templates):
+            held = [x for x in template if isinstance(x, torch.Tensor) and x is not kept]
+            assert not held, f"{bound.fn.__name__} holds {len(held)} tensors"
+
+
+def test_optional_input_given_then_absent():
+    """MIMO_Z given with Z None, then absent: the second call cannot replay the first call's
+    plans, which bind MIMO_Z by name (on the GPU the replay would meet None in its place)."""
+    args = make_args(B=1, S=6, H=2, G=1, R=2, N=8, P=4, chunk_size=4, z=False, mimo_out=False)
+    mimo_z = torch.randn(2, 2, 4, dtype=torch.float64)
+    counts = []
+    for given in (mimo_z, None):
+        leaves, _ = _leaves(dict(args, MIMO_Z=given), FP32, DEVICE, None)
+        mamba3_mimo(**leaves).sum().backward()
+        counts.append(len(operator._plans))
+    assert counts[1] > counts[0], "the call without MIMO_Z replayed plans that bind it"
