@@ -53,8 +53,8 @@ tests_then_bench() {
   return "$status"
 }
 if [ "$part" = operator ]; then
-  tests_then_bench operator "^N[0-9]+_" 1500 tests/test_operator.py tests/test_chunk_grads.py \
-    tests/test_preprocess.py -- "$@"
+  tests_then_bench operator "^N[0-9]+_" 1500 tests/test_operator.py tests/test_operator_plans.py \
+    tests/test_chunk_grads.py tests/test_preprocess.py -- "$@"
   exit $?
 fi
 if [ "$part" = sequences ]; then
