@@ -122,3 +122,30 @@ def test_optional_input_given_then_absent():
         mamba3_mimo(**leaves).sum().backward()
         counts.append(len(operator._plans))
     assert counts[1] > counts[0], "the call without MIMO_Z replayed plans that bind it"
+
+
+def _packed_call(lengths, seed: int):
+    """(outputs, gradients) of a packed call (cu_seqlens for `lengths`) with final states, on
+    fresh fp32 leaves."""
+    args = make_args(B=1, S=sum(lengths), H=4, G=2, R=3, N=12, P=10, chunk_size=4,
+                     rotary_dim_divisor=2, seed=seed)
+    leaves, _ = _leaves(args, FP32, DEVICE, None)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEVICE)
+    return _run(mamba3_mimo, leaves, None, {}, return_state=True, cu_seqlens=cu)
+
+
+def test_packed_calls_replay_per_boundaries():
+    """Packed calls keep plans per boundaries (apart from the dense calls'): a second call with
+    the same boundaries adds none and equals bit for bit the same call on fresh plans; other
+    boundaries of the same total build their own."""
+    configs.clear_caches()
+    _packed_call([3, 9, 1, 5], 1)
+    n_plans = len(operator._packed_plans)
+    assert n_plans >= 4 and len(operator._plans) == 0
+    replayed = _packed_call([3, 9, 1, 5], 2)
+    assert len(operator._packed_plans) == n_plans, "the second call built plans of its own"
+    _packed_call([9, 3, 5, 1], 2)
+    assert len(operator._packed_plans) > n_plans
+    configs.clear_caches()
+    _assert_identical(replayed, _packed_call([3, 9, 1, 5], 2))

@@ -225,23 +225,27 @@ def prepare_launches(pb: Problem, env: dict) -> list:
 
 # Call plans of the operator's launch groups (runtime/plans.py), per (group, the Problem in the
 # kernels' layout, the call's flags, the strides of the inputs that the kernels read with their
-# strides): every other tensor is contiguous or allocated here, so the launches' integer
-# arguments follow from the key. Packed calls, whose layout follows the boundaries' values,
-# build their plans afresh.
+# strides, and for packed sequences their boundaries): every other tensor is contiguous or
+# allocated here, so the launches' integer arguments follow from the key.
 _plans: PlanCache[CallPlan] = PlanCache()
+# Packed calls' plans apart: a training loop whose boundaries change at every step would
+# otherwise fill and clear the dense calls' cache (the layers of one step share theirs).
+_packed_plans: PlanCache[CallPlan] = PlanCache(limit=64)
 _STRIDED = ("Q", "K", "V", "Z", "DT", "Trap", "ADT", "Angles", "dout")
 
 
 def plan_key(group: str, pb: Problem, x: dict, env: dict, *flags) -> Optional[tuple]:
-    """The key of a launch group's plan (None: not cached; packed sequences, or a tensor given
-    as two arguments, which a plan would bind from one name)."""
-    if x["cu"] is not None or x["aliased"]:
+    """The key of a launch group's plan (None: not cached, for a tensor given as two arguments,
+    which a plan would bind from one name). Packed calls add their boundaries, which fix the
+    layout's tables and sizes."""
+    if x["aliased"]:
         return None
     # The absent tensors too: a plan built with an optional input present (MIMO_Z without Z,
     # say) binds its name, which a call without it could not fill.
     absent = tuple([name for name, value in env.items() if value is None])
-    return (group, pb, flags, absent) + tuple([None if env.get(n) is None else env[n].stride()
-                                               for n in _STRIDED])
+    cu = None if x["cu"] is None else tuple(x["cu"])
+    return (group, pb, flags, absent, cu) + tuple([None if env.get(n) is None else
+                                                   env[n].stride() for n in _STRIDED])
 
 
 def launch_all(key: Optional[tuple], env: dict, build: Callable[[], list],
@@ -249,11 +253,12 @@ def launch_all(key: Optional[tuple], env: dict, build: Callable[[], list],
     """Run the launches that build() describes, whose tensor arguments are env's (by name) or
     the device's placeholder, through the call plan kept under key (built from them when it is
     missing or key is None)."""
-    plan = None if key is None else _plans.get(key)
+    plans = _plans if key is None or key[4] is None else _packed_plans  # key[4]: boundaries
+    plan = None if key is None else plans.get(key)
     if plan is None:
         plan = CallPlan.build(None, build(), env, placeholder(device))
         if key is not None:
-            _plans.put(key, plan)
+            plans.put(key, plan)
     plan.launch(env)
 
 
