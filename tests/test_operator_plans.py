@@ -10,7 +10,7 @@ from test_operator import CASES, _leaves, _run
 from test_reference_operator import make_args
 from mamba3_mimo import configs, mamba3_mimo
 from mamba3_mimo.phases import operator
-from mamba3_mimo.runtime.plans import placeholder
+from mamba3_mimo.runtime.plans import CallPlan, placeholder
 
 FP32 = torch.float32
 
@@ -149,3 +149,54 @@ def test_packed_calls_replay_per_boundaries():
     assert len(operator._packed_plans) > n_plans
     configs.clear_caches()
     _assert_identical(replayed, _packed_call([3, 9, 1, 5], 2))
+
+
+def _signature(plan) -> tuple:
+    """What a plan fixes beyond its named tensors: each launch's kernel, grid, options and
+    non-tensor arguments (the kept placeholder compared by identity), and the names it binds."""
+    return tuple((b.fn, b.grid, tuple(sorted(b.options.items())), template, slot)
+                 for b, template, slot in zip(plan.group.bounds, plan.templates, plan.slots))
+
+
+def _whole_chunks_call(seed: int, **changes):
+    """(outputs, gradients) with final states of a call whose S is a multiple of the kernels'
+    chunk (16 here), so that the inputs reach the kernels unpadded, with their own strides."""
+    args = make_args(B=2, S=32, H=4, G=2, R=3, N=12, P=10, chunk_size=4, seed=seed)
+    leaves, _ = _leaves(args, FP32, DEVICE, None)
+    for name, change in changes.items():
+        leaves[name] = change(leaves)
+    return _run(mamba3_mimo, leaves, None, {}, return_state=True)
+
+
+def test_equal_keys_build_equal_plans(monkeypatch):
+    """Every launch group of calls whose plan keys are equal builds the same plan afresh: the
+    key holds everything a plan fixes. The calls vary in values, in Q's and Angles' strides, in
+    an optional input given or absent (MIMO_Z without Z), and in packed boundaries."""
+    built = {}
+
+    def spy(key, env, build, device):
+        plan = CallPlan.build(None, build(), env, placeholder(device))
+        if key is not None:
+            built.setdefault(key, []).append(_signature(plan))
+        plan.launch(env)
+
+    monkeypatch.setattr(operator, "launch_all", spy)
+    variants = {
+        "plain": {},
+        # Q's steps two apart
+        "strided_q": dict(Q=lambda leaves: torch.repeat_interleave(
+            leaves["Q"].detach(), 2, dim=1)[:, ::2].requires_grad_(True)),
+        # one head's angles for all, head stride 0 (as flash-linear-attention passes them)
+        "shared_angles": dict(Angles=lambda leaves: leaves["Angles"].detach()[:, :, :1]
+                              .requires_grad_(True).expand_as(leaves["Angles"])),
+        "mimo_z_without_z": dict(Z=lambda leaves: None),
+        "neither": dict(Z=lambda leaves: None, MIMO_Z=lambda leaves: None),
+    }
+    for seed in (1, 2):
+        for changes in variants.values():
+            _whole_chunks_call(seed, **changes)
+        _packed_call([3, 9, 1, 5], seed)
+        _packed_call([9, 3, 5, 1], seed)
+    assert min(len(plans) for plans in built.values()) >= 2, "a key met only once"
+    for key, plans in built.items():
+        assert all(p == plans[0] for p in plans[1:]), f"one key, two plans: {key[0]}"
