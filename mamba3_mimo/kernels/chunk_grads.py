@@ -449,7 +449,6 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
     C, nc = m.C, m.nc
     cfg, n_jb = _blocks(m, q.device)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
-    # every dot dimension at least 16 (m.TP * m.RP already is)
     common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
                   N=N, P=P, RD=m.RD, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
                   TP=m.TP, RP=m.RP, PREC=precision)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -176,8 +176,8 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
         env[name] = _pad_steps(x[name], 2, S_pad).contiguous()
     for name in ("Q_bias", "K_bias", "MIMO_V", "MIMO_Z", "MIMO_Out", "D", "angle0"):
         env[name] = None if x[name] is None else x[name].contiguous()
-    # the angles' backward writes d Angles with the strides it reads Angles with
-    env["Angles"] = x["Angles"].contiguous()
+    # angle_sum reads Angles with its strides (flash-linear-attention's are 0 over the heads)
+    env["Angles"] = x["Angles"]
     env["angles"] = torch.empty(B, S_pad, H, m.RD, **f32)
     env["angles_s"] = env["angles"]  # the running sum's steps, followed by zeros up to S_pad
     if S < S_pad:
@@ -234,7 +234,17 @@ _packed_plans: PlanCache[CallPlan] = PlanCache(limit=64)
 _STRIDED = ("Q", "K", "V", "Z", "DT", "Trap", "ADT", "Angles", "dout")
 
 
-def plan_key(group: str, pb: Problem, x: dict, env: dict, *flags) -> Optional[tuple]:
+class PlanKey(NamedTuple):
+    """What a launch group's plan depends on besides its tensors' values."""
+    group: str
+    problem: Problem
+    flags: tuple
+    absent: tuple  # the names bound to None
+    boundaries: Optional[tuple]  # packed sequences' cu_seqlens
+    strides: tuple  # those of _STRIDED, None where absent
+
+
+def plan_key(group: str, pb: Problem, x: dict, env: dict, *flags) -> Optional[PlanKey]:
     """The key of a launch group's plan (None: not cached, for a tensor given as two arguments,
     which a plan would bind from one name). Packed calls add their boundaries, which fix the
     layout's tables and sizes."""
@@ -244,16 +254,16 @@ def plan_key(group: str, pb: Problem, x: dict, env: dict, *flags) -> Optional[tu
     # say) binds its name, which a call without it could not fill.
     absent = tuple([name for name, value in env.items() if value is None])
     cu = None if x["cu"] is None else tuple(x["cu"])
-    return (group, pb, flags, absent, cu) + tuple([None if env.get(n) is None else
-                                                   env[n].stride() for n in _STRIDED])
+    strides = tuple([None if env.get(n) is None else env[n].stride() for n in _STRIDED])
+    return PlanKey(group, pb, flags, absent, cu, strides)
 
 
-def launch_all(key: Optional[tuple], env: dict, build: Callable[[], list],
+def launch_all(key: Optional[PlanKey], env: dict, build: Callable[[], list],
                device: torch.device) -> None:
     """Run the launches that build() describes, whose tensor arguments are env's (by name) or
     the device's placeholder, through the call plan kept under key (built from them when it is
     missing or key is None)."""
-    plans = _plans if key is None or key[4] is None else _packed_plans  # key[4]: boundaries
+    plans = _plans if key is None or key.boundaries is None else _packed_plans
     plan = None if key is None else plans.get(key)
     if plan is None:
         plan = CallPlan.build(None, build(), env, placeholder(device))
@@ -597,7 +607,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if x["state0"] is not None:
         d_entering = (dstates[:, :, 0].clone() if pk is None else
                       dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
-    angle_in = dict(angles_raw=env["Angles"], dt=env["DT"], trap=env["Trap"],
+    # the angles' backward writes d Angles with the strides it reads Angles with
+    angle_in = dict(angles_raw=env["Angles"].contiguous(), dt=env["DT"], trap=env["Trap"],
                     bounds=env["step_bounds"])
     dz = env.get("dz")
     del dstates
@@ -624,7 +635,7 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
                      d_angle0=torch.empty(B if pk is None else pk.n_seq, H, m.RD, **f32),
                      d_gamma=g.pop("d_gamma"), d_trap_scale=g.pop("d_trap_scale"),
                      d_trap=torch.empty(B, H, S_pad, **f32))
-    launch_all(plan_key("angles_grad", lpb, x, {}), angle_env,
+    launch_all(plan_key("angles_grad", lpb, x, angle_env), angle_env,
                lambda: [preprocess.angle_sum_backward_launch(**angle_env)], dev)
     d_raw_angles, d_angle0 = angle_env["d_raw"], angle_env["d_angle0"]
     d_dt, d_trap = angle_env["d_dt"][..., :L], angle_env["d_trap"][..., :L]
