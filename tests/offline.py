@@ -89,12 +89,13 @@ def call_launches(shape: Shape, arch: int, z_gate: bool = True,
     return launches
 
 
-def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
-                      fused_norm: bool = False) -> List[tuple]:
+def operator_launches(shape: Shape, arch: int, z_gate: bool = True, fused_norm: bool = False,
+                      overrides: Optional[dict] = None) -> List[tuple]:
     """(fn, grid, args, options) of every launch of one forward and backward of the whole
     operator on this shape (bf16 inputs, D on), of a forward with the final states and of one
     decode step (mamba3_mimo_step), recorded on CPU tensors without launching anything (the
-    recorded calls do nothing, so the values computed are meaningless)."""
+    recorded calls do nothing, so the values computed are meaningless). overrides: fields of
+    configs.override, as call_launches takes them."""
     if interpreter_active():
         raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing")
     from triton.runtime.jit import JITFunction
@@ -124,7 +125,7 @@ def operator_launches(shape: Shape, arch: int, z_gate: bool = True,
         launcher.DIRECT = False  # every launch through JITFunction.run
         # CPU tensors stand for the GPU's
         operator.check_device = step.check_device = upstream.check_device = lambda device: None
-        with configs.override(measured_arch=measured):
+        with configs.override(**dict(overrides or {}, measured_arch=measured)):
             # as training calls it (without the norm: chunk_output's FORWARD and GRAD), then
             # with the final states (chunk_forward's forward)
             out = operator.mamba3_mimo(**args)
@@ -218,7 +219,7 @@ def compiled_resources(shape: Shape, arch: int = 90, z_gate: bool = True,
     """{kernel name: dict(registers, stack, shared, num_warps)} of one call's kernels compiled
     for compute capability `arch` (call_launches); echo prints a line per kernel as it comes."""
     res = {}
-    launches = (operator_launches(shape, arch, z_gate, fused_norm) if operator
+    launches = (operator_launches(shape, arch, z_gate, fused_norm, overrides) if operator
                 else call_launches(shape, arch, z_gate, output_dtype, overrides))
     for fn, _, args, options in launches:
         kernel = compile_for(fn, args, options, arch)
