@@ -124,6 +124,18 @@ def test_optional_input_given_then_absent():
     assert counts[1] > counts[0], "the call without MIMO_Z replayed plans that bind it"
 
 
+
+@pytest.mark.parametrize("states_first", [False, True], ids=["out_first", "states_first"])
+def test_calls_with_and_without_final_states(states_first):
+    """On chunk_forward (the fused norm) the forward writes the final state only when the call
+    returns it (chunk_forward's FINAL): calls of one problem with and without the final states,
+    in either order, never replay each other's forward and equal calls on fresh plans."""
+    order = [True, False] if states_first else [False, True]
+    got = [_call("norm_w", 4, return_state) for return_state in order]
+    configs.clear_caches()
+    for g, return_state in zip(got, order):
+        _assert_identical(g, _call("norm_w", 4, return_state))
+
 def _packed_call(lengths, seed: int):
     """(outputs, gradients) of a packed call (cu_seqlens for `lengths`) with final states, on
     fresh fp32 leaves."""

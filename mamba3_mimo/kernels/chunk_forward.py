@@ -85,13 +85,16 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
                          TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
                          BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                          HAS_OUT: tl.constexpr, NORM: tl.constexpr, GRAD: tl.constexpr,
-                         PREC: tl.constexpr):
+                         FINAL: tl.constexpr, PREC: tl.constexpr):
     """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and
     all P columns at once (BP >= P). z, dout, out, dy, dz are contiguous over [B, S_pad, ...]:
     z, dz [.., H, P] (dz in any float dtype, each element rounded once); out and dout
     [.., H, P] with MIMO_Out, [.., R, H, P] without; dy [.., R, H, P] fp32. part_o, part_z
-    [B*H, nc, R, P] and part_w [B*H, nc, P] fp32;
-    final_state [B, H, P, N] fp32; states [B, H, nc, N, P] fp32 (entering each chunk)."""
+    [B*H, nc, R, P] and part_w [B*H, nc, P] fp32; states [B, H, nc, N, P] fp32 (entering each
+    chunk). FINAL (forward only): the last chunk's program also writes final_state [B, H, P, N]
+    fp32. A flag rather than a branch on the chunk alone: compiled in, that code keeps PsiV and
+    the rotary tables live to the end of every program, and at N >= 64 it more than quadruples
+    the spill (offline, sm_90: 864 against 200 bytes per thread at N128_P64_R4_C16)."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
     b, h = bh // H, bh % H
@@ -170,7 +173,7 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         else:
             d_raw = g_y
         tl.store(dy + r_at + r_row[:, None] + p[None, :], d_raw, mask=rp_ok)
-    if not GRAD:
+    if FINAL and not GRAD:
         if c == nc - 1:
             # the state after the chunk's last step: past S the inputs are zero-padded (dt = 0,
             # no decay), so this is the state after step S - 1
@@ -204,9 +207,11 @@ def block_pairs(P: int) -> int:
 
 def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms, cos, sin,
            da_cs, segsum, states, dout, out, dy, dz, part_o, part_z, part_w, final_state, eps,
-           has_z: bool, has_d: bool, has_out: bool, norm: bool, grad: bool, consts) -> Launch:
+           has_z: bool, has_d: bool, has_out: bool, norm: bool, grad: bool, final: bool,
+           consts) -> Launch:
     """chunk_forward_kernel's launch over every (b*h, chunk) of padded inputs (whole chunks of C
-    steps; consts with U = 1). Absent tensors are stand-ins that the flags keep unread."""
+    steps; consts with U = 1). Absent tensors are stand-ins that the flags keep unread; `final`
+    (forward only): also the final state."""
     m = consts
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
@@ -221,4 +226,4 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
         sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
         svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(block_pairs(P), next_pow2(N // 2))),
         BP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
-        NORM=norm, GRAD=grad, PREC=m.PREC), OPTIONS)
+        NORM=norm, GRAD=grad, FINAL=final and not grad, PREC=m.PREC), OPTIONS)

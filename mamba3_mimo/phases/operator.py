@@ -335,7 +335,7 @@ _OUTPUT_STAGE = ("out", "dout", "dz", "dy", "part_o", "part_z", "part_w", "final
 
 def output_launch(pb: Problem, x: dict, env: dict, tiled: bool, grad: bool) -> Launch:
     """The output stage's launch on a prepared call: without `grad` the forward (out, and
-    final_state unless tiled), with it the gradient (dz, dy, the partial sums part_o, part_z,
+    final_state where env holds one), with it the gradient (dz, dy, the partial sums part_o, part_z,
     part_w, given dout); on chunk_output's tiles with `tiled` (in the config its shared-memory
     probe picks), else on chunk_forward."""
     m, stand = env["m"], placeholder(pb.device)
@@ -350,7 +350,7 @@ def output_launch(pb: Problem, x: dict, env: dict, tiled: bool, grad: bool) -> L
                                     part_w=opt("part_w"), final_state=opt("final_state"),
                                     eps=x["eps"], has_z=pb.has_z, has_d=pb.has_d,
                                     has_out=x["MIMO_Out"] is not None, norm=x["fuse_norm"],
-                                    grad=grad)
+                                    grad=grad, final=env.get("final_state") is not None)
     kpb = dataclasses.replace(pb, C=m.C)
     key = ("operator_output", grad, pb.N, pb.P, pb.R, m.C, m.U, m.RD, pb.dtype, pb.has_z,
            pb.has_d)
@@ -408,8 +408,11 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     env["out"] = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=pb.device,
                              dtype=x["Q"].dtype)
     if not tiled:
-        env["final_state"] = torch.empty(lpb.B, pb.H, pb.P, pb.N, device=pb.device,
-                                         dtype=torch.float32)
+        # the kernel writes a dense call's final state only when it is returned (a packed
+        # call's come from its sequences' pad chunks)
+        env["final_state"] = (torch.empty(lpb.B, pb.H, pb.P, pb.N, device=pb.device,
+                                          dtype=torch.float32)
+                              if with_states and pk is None else None)
         env["norm_w"] = _norm_weight(pb, x)
     launch_all(plan_key("forward", lpb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
                lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled, False)],
