@@ -127,9 +127,10 @@ def test_optional_input_given_then_absent():
 
 @pytest.mark.parametrize("states_first", [False, True], ids=["out_first", "states_first"])
 def test_calls_with_and_without_final_states(states_first):
-    """On chunk_forward (the fused norm) the forward writes the final state only when the call
-    returns it (chunk_forward's FINAL): calls of one problem with and without the final states,
-    in either order, never replay each other's forward and equal calls on fresh plans."""
+    """A forward that returns the final states lays the steps out with a zero chunk after them
+    (the state entering it is the final state): calls of one problem with and without the
+    final states (on chunk_forward: the fused norm), in either order, never replay each
+    other's forward and equal calls on fresh plans."""
     order = [True, False] if states_first else [False, True]
     got = [_call("norm_w", 4, return_state) for return_state in order]
     configs.clear_caches()

@@ -7,13 +7,15 @@ reduction over ranks with MIMO_Out (none without it: a per-rank output).
 GRAD runs the same program in the backward, given d out: instead of the output it writes
 dy = d raw_y (fp32, for chunk_grads), d z, and per-chunk partial sums of the gradients of
 MIMO_Out, MIMO_Z and the norm's weight, reduced on the host over batch and chunks (a fixed
-order: deterministic). Without GRAD, the last chunk's program also writes the final state."""
+order: deterministic). The final state is not written here: the operator reads it as the state
+entering a zero chunk after the steps (the state pass's), so that its code does not weigh on
+every program's registers."""
 import triton
 import triton.language as tl
 
 from ..runtime.launcher import Launch
 from . import next_pow2
-from .common import chunk_rows, load_cos_sin, load_rotated, mac
+from .common import chunk_rows, load_rotated, mac
 from .whole_chunk import (chunk_pointers, chunk_terms, pair_block, psiv_block,
                           rows_of_steps, state_block)
 
@@ -79,22 +81,19 @@ def _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h, R, P, p,
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
 def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms,
-                         cos, sin, da_cs, segsum, states, dout, out, dy, dz, part_o, part_z,
-                         part_w, final_state, S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, eps,
+                         cos, sin, segsum, states, dout, out, dy, dz, part_o, part_z,
+                         part_w, S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, eps,
                          sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
                          TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
                          BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                          HAS_OUT: tl.constexpr, NORM: tl.constexpr, GRAD: tl.constexpr,
-                         FINAL: tl.constexpr, PREC: tl.constexpr):
+                         PREC: tl.constexpr):
     """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and
     all P columns at once (BP >= P). z, dout, out, dy, dz are contiguous over [B, S_pad, ...]:
     z, dz [.., H, P] (dz in any float dtype, each element rounded once); out and dout
     [.., H, P] with MIMO_Out, [.., R, H, P] without; dy [.., R, H, P] fp32. part_o, part_z
     [B*H, nc, R, P] and part_w [B*H, nc, P] fp32; states [B, H, nc, N, P] fp32 (entering each
-    chunk). FINAL (forward only): the last chunk's program also writes final_state [B, H, P, N]
-    fp32. A flag rather than a branch on the chunk alone: compiled in, that code keeps PsiV and
-    the rotary tables live to the end of every program, and at N >= 64 it more than quadruples
-    the spill (offline, sm_90: 864 against 200 bytes per thread at N128_P64_R4_C16)."""
+    chunk)."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
     b, h = bh // H, bh % H
@@ -173,24 +172,6 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         else:
             d_raw = g_y
         tl.store(dy + r_at + r_row[:, None] + p[None, :], d_raw, mask=rp_ok)
-    if FINAL and not GRAD:
-        if c == nc - 1:
-            # the state after the chunk's last step: past S the inputs are zero-padded (dt = 0,
-            # no decay), so this is the state after step S - 1
-            decay = tl.exp(tl.load(da_cs + row + C - 1))
-            fs_at = final_state + bh * P * N
-            for j0 in range(0, HALF, BJ):
-                cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
-                k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF,
-                                      skn, True)
-                kw1 = tl.trans(k1 * k_decay[:, None])
-                kw2 = tl.trans(k2 * k_decay[:, None])
-                j = j0 + tl.arange(0, BJ)
-                st1, st2 = state_block(st_at, j0, 0, HALF, P, BJ, BP)
-                jm = (j < HALF)[:, None] & pm[None, :]
-                fs = fs_at + p[None, :] * N + j[:, None]
-                tl.store(fs, mac(st1 * decay, kw1, psiv, PREC), mask=jm)
-                tl.store(fs + HALF, mac(st2 * decay, kw2, psiv, PREC), mask=jm)
 
 
 # Launch options, measured on the H200 (2026-12-03, forward+backward, docs/performance.md "The
@@ -206,24 +187,22 @@ def block_pairs(P: int) -> int:
 
 
 def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, terms, cos, sin,
-           da_cs, segsum, states, dout, out, dy, dz, part_o, part_z, part_w, final_state, eps,
-           has_z: bool, has_d: bool, has_out: bool, norm: bool, grad: bool, final: bool,
-           consts) -> Launch:
+           segsum, states, dout, out, dy, dz, part_o, part_z, part_w, eps,
+           has_z: bool, has_d: bool, has_out: bool, norm: bool, grad: bool, consts) -> Launch:
     """chunk_forward_kernel's launch over every (b*h, chunk) of padded inputs (whole chunks of C
-    steps; consts with U = 1). Absent tensors are stand-ins that the flags keep unread; `final`
-    (forward only): also the final state."""
+    steps; consts with U = 1). Absent tensors are stand-ins that the flags keep unread."""
     m = consts
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     return Launch(chunk_forward_kernel, (B * H * m.nc,), dict(
         q=q, k=k, v=v, z=z, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, mimo_o=mimo_o,
-        mimo_z=mimo_z, d=d, norm_w=norm_w, terms=terms, cos=cos, sin=sin, da_cs=da_cs,
+        mimo_z=mimo_z, d=d, norm_w=norm_w, terms=terms, cos=cos, sin=sin,
         segsum=segsum, states=states, dout=dout, out=out, dy=dy, dz=dz, part_o=part_o,
-        part_z=part_z, part_w=part_w, final_state=final_state, S_pad=S_pad, n_bh=B * H,
+        part_z=part_z, part_w=part_w, S_pad=S_pad, n_bh=B * H,
         nc=m.nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=m.C, N=N, P=P, RD=m.RD,
         eps=float(eps), sqb=qs[0], sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], skb=ks[0],
         sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
         svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(block_pairs(P), next_pow2(N // 2))),
         BP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
-        NORM=norm, GRAD=grad, FINAL=final and not grad, PREC=m.PREC), OPTIONS)
+        NORM=norm, GRAD=grad, PREC=m.PREC), OPTIONS)

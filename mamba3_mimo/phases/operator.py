@@ -329,28 +329,28 @@ def tiled_output(x: dict) -> bool:
     return x["MIMO_Out"] is not None and not x["fuse_norm"]
 
 
-# the output stage's outputs; those a mode does not write are the placeholder
-_OUTPUT_STAGE = ("out", "dout", "dz", "dy", "part_o", "part_z", "part_w", "final_state")
+# the output stage's outputs in both kernels (and chunk_forward's part_w); those a mode does
+# not write are the placeholder
+_OUTPUT_STAGE = ("out", "dout", "dz", "dy", "part_o", "part_z")
 
 
 def output_launch(pb: Problem, x: dict, env: dict, tiled: bool, grad: bool) -> Launch:
-    """The output stage's launch on a prepared call: without `grad` the forward (out, and
-    final_state where env holds one), with it the gradient (dz, dy, the partial sums part_o, part_z,
-    part_w, given dout); on chunk_output's tiles with `tiled` (in the config its shared-memory
-    probe picks), else on chunk_forward."""
+    """The output stage's launch on a prepared call: without `grad` the forward (out), with it
+    the gradient (dz, dy, the partial sums part_o, part_z, part_w, given dout); on
+    chunk_output's tiles with `tiled` (in the config its shared-memory probe picks), else on
+    chunk_forward."""
     m, stand = env["m"], placeholder(pb.device)
     opt = lambda name: stand if env.get(name) is None else env[name]  # noqa: E731
     common = dict(q=env["Q"], k=env["K"], v=env["V"], z=opt("Z"), q_bias=env["Q_bias"],
                   k_bias=env["K_bias"], mimo_v=env["MIMO_V"], mimo_o=opt("MIMO_Out"),
                   mimo_z=opt("MIMO_Z"), d=opt("D"), terms=env["terms"], cos=env["cos"],
                   sin=env["sin"], segsum=env["segsum"], states=env["states"], consts=m,
-                  **{name: opt(name) for name in _OUTPUT_STAGE[:-2]})
+                  **{name: opt(name) for name in _OUTPUT_STAGE})
     if not tiled:
-        return chunk_forward.launch(**common, da_cs=env["da_cs"], norm_w=opt("norm_w"),
-                                    part_w=opt("part_w"), final_state=opt("final_state"),
+        return chunk_forward.launch(**common, norm_w=opt("norm_w"), part_w=opt("part_w"),
                                     eps=x["eps"], has_z=pb.has_z, has_d=pb.has_d,
                                     has_out=x["MIMO_Out"] is not None, norm=x["fuse_norm"],
-                                    grad=grad, final=env.get("final_state") is not None)
+                                    grad=grad)
     kpb = dataclasses.replace(pb, C=m.C)
     key = ("operator_output", grad, pb.N, pb.P, pb.R, m.C, m.U, m.RD, pb.dtype, pb.has_z,
            pb.has_d)
@@ -401,18 +401,20 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     per batch entry or per sequence when packed; (out,) alone without `with_states` (the final
     states' few small ops are a visible share of a small shape's host time)."""
     pk, lpb, xl = layout(pb, x, x["cu"])
-    tiled = tiled_output(x) and not with_states
+    if with_states and pk is None:
+        # a zero chunk after the steps: the state entering it is the final state (zero steps
+        # add nothing and do not decay), as a packed sequence's pad chunk
+        C = kernel_chunk(pb)
+        lpb = dataclasses.replace(pb, S=-(-pb.S // C) * C + C, C=C)
+        xl = dict(x, **{name: _pad_steps(x[name], dim, lpb.S) for name, dim in SEQ_DIM.items()
+                        if x[name] is not None})
+    tiled = tiled_output(x)
     env = prepare(lpb, xl, pk)
     m = env["m"]
     ranks = () if x["MIMO_Out"] is not None else (pb.R,)
     env["out"] = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=pb.device,
                              dtype=x["Q"].dtype)
     if not tiled:
-        # the kernel writes a dense call's final state only when it is returned (a packed
-        # call's come from its sequences' pad chunks)
-        env["final_state"] = (torch.empty(lpb.B, pb.H, pb.P, pb.N, device=pb.device,
-                                          dtype=torch.float32)
-                              if with_states and pk is None else None)
         env["norm_w"] = _norm_weight(pb, x)
     launch_all(plan_key("forward", lpb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
                lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled, False)],
@@ -421,14 +423,14 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     out = out[:, :pb.S] if pk is None else packed.unpack(out, 1, pk)
     if not with_states:
         return (out.contiguous(),)
-    angle = _last_rows(env["angles"], pk, lpb.S).clone()  # [., H, RD]
-    final_state = env["final_state"]
-    if pk is not None:
-        # a sequence's final state enters its pad chunk
-        final_state = env["states"][0].index_select(1, pk.pad_chunks).permute(1, 0, 3, 2)
-    k_last = _last_rows(xl["K"], pk, lpb.S)
-    return (out.contiguous(), angle, final_state.contiguous(),
-            _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, lpb.S).clone())
+    S = pb.S if pk is None else lpb.S  # the last step's place: before the pad chunk
+    angle = _last_rows(env["angles"], pk, S).clone()  # [., H, RD]
+    # the final states enter the pad chunks: [., H, N, P] -> [., H, P, N]
+    final_state = (env["states"][:, :, -1] if pk is None else
+                   env["states"][0].index_select(1, pk.pad_chunks).transpose(0, 1))
+    k_last = _last_rows(xl["K"], pk, S)
+    return (out.contiguous(), angle, final_state.transpose(-1, -2).contiguous(),
+            _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, S).clone())
 
 
 def call_inputs(opts: dict, tensors: tuple) -> dict:
