@@ -127,7 +127,7 @@ def operator_launches(shape: Shape, arch: int, z_gate: bool = True, fused_norm: 
         operator.check_device = step.check_device = upstream.check_device = lambda device: None
         with configs.override(**dict(overrides or {}, measured_arch=measured)):
             # as training calls it (without the norm: chunk_output's FORWARD and GRAD), then
-            # with the final states (chunk_forward's forward)
+            # with the final states (a zero chunk more)
             out = operator.mamba3_mimo(**args)
             out.float().sum().backward()
             operator.mamba3_mimo(**args, return_state=True)

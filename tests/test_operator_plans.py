@@ -124,7 +124,6 @@ def test_optional_input_given_then_absent():
     assert counts[1] > counts[0], "the call without MIMO_Z replayed plans that bind it"
 
 
-
 @pytest.mark.parametrize("states_first", [False, True], ids=["out_first", "states_first"])
 def test_calls_with_and_without_final_states(states_first):
     """A forward that returns the final states lays the steps out with a zero chunk after them
@@ -136,6 +135,7 @@ def test_calls_with_and_without_final_states(states_first):
     configs.clear_caches()
     for g, return_state in zip(got, order):
         _assert_identical(g, _call("norm_w", 4, return_state))
+
 
 def _packed_call(lengths, seed: int):
     """(outputs, gradients) of a packed call (cu_seqlens for `lengths`) with final states, on
