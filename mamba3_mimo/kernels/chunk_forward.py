@@ -99,11 +99,11 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
     b, h = bh // H, bh % H
     HALF = N // 2
     t, r = chunk_rows(TP, RP)
-    row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
+    _, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
         q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
         sqg, skb, sks, skr, skg, svb, svs, svh)
     s0 = c * C
-    rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
+    rows, ts, steps, _, _, _, q_decay, _, w = chunk_terms(
         terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
     st_at = states + (bh * nc + c) * N * P
     # [B, S_pad, H, P] per step and [B, S_pad, R, H, P] per row: the chunk's first element

@@ -112,12 +112,20 @@ def kernel_chunk(pb: Problem) -> int:
 SEQ_DIM = {"Q": 1, "K": 1, "V": 1, "Z": 1, "Angles": 1, "ADT": 2, "DT": 2, "Trap": 2}
 
 
-def layout(pb: Problem, x: dict, cu) -> Tuple[Optional[Packing], Problem, dict]:
+def layout(pb: Problem, x: dict, cu, final_states: bool = False
+           ) -> Tuple[Optional[Packing], Problem, dict]:
     """(packing, problem, inputs) of the kernels' layout of a call: the call itself, or for
     packed sequences (cu: their boundaries) one batch entry of the sequences laid out from
-    chunk boundaries with a zero chunk after each (phases/packed.py)."""
+    chunk boundaries with a zero chunk after each (phases/packed.py). With final_states a dense
+    call also gets a zero chunk after its steps: zero steps add nothing and do not decay, so
+    the state entering it, which the state pass writes, is the final state."""
     if cu is None:
-        return None, pb, x
+        if not final_states:
+            return None, pb, x
+        C = kernel_chunk(pb)
+        lpb = dataclasses.replace(pb, S=-(-pb.S // C) * C + C, C=C)
+        # the running angles sum Angles over the layout's steps; prepare pads the rest
+        return None, lpb, dict(x, Angles=_pad_steps(x["Angles"], 1, lpb.S))
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     C = kernel_chunk(dataclasses.replace(pb, S=longest))
     pk = packed.packing(cu, C, pb.device)
@@ -400,14 +408,7 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     """(out, final_angle, final_state, final_k, final_v) of a validated call, the final states
     per batch entry or per sequence when packed; (out,) alone without `with_states` (the final
     states' few small ops are a visible share of a small shape's host time)."""
-    pk, lpb, xl = layout(pb, x, x["cu"])
-    if with_states and pk is None:
-        # a zero chunk after the steps: the state entering it is the final state (zero steps
-        # add nothing and do not decay), as a packed sequence's pad chunk
-        C = kernel_chunk(pb)
-        lpb = dataclasses.replace(pb, S=-(-pb.S // C) * C + C, C=C)
-        xl = dict(x, **{name: _pad_steps(x[name], dim, lpb.S) for name, dim in SEQ_DIM.items()
-                        if x[name] is not None})
+    pk, lpb, xl = layout(pb, x, x["cu"], final_states=with_states)
     tiled = tiled_output(x)
     env = prepare(lpb, xl, pk)
     m = env["m"]
@@ -423,14 +424,13 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     out = out[:, :pb.S] if pk is None else packed.unpack(out, 1, pk)
     if not with_states:
         return (out.contiguous(),)
-    S = pb.S if pk is None else lpb.S  # the last step's place: before the pad chunk
-    angle = _last_rows(env["angles"], pk, S).clone()  # [., H, RD]
-    # the final states enter the pad chunks: [., H, N, P] -> [., H, P, N]
+    angle = _last_rows(env["angles"], pk, pb.S).clone()  # [., H, RD]
+    # the final states enter the pad chunks (layout): [., H, N, P] -> [., H, P, N]
     final_state = (env["states"][:, :, -1] if pk is None else
                    env["states"][0].index_select(1, pk.pad_chunks).transpose(0, 1))
-    k_last = _last_rows(xl["K"], pk, S)
+    k_last = _last_rows(xl["K"], pk, pb.S)
     return (out.contiguous(), angle, final_state.transpose(-1, -2).contiguous(),
-            _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, S).clone())
+            _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, pb.S).clone())
 
 
 def call_inputs(opts: dict, tensors: tuple) -> dict:
