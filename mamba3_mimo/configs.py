@@ -62,7 +62,8 @@ class Constants(Shape):
     EXACT: dot input precisions for the data and for 0/1 selections; OUT_STATES: chunk_output
     reads the rounded `states` output; ALIGN: the alignment assumed of batch strides
     (kernels.input_align); OPAQUE, PREFETCH: inline-assembly helpers (GPU only); SCAN_SYNC: the
-    scan's dot on mma.sync; STEP_BS: steps per step_terms program."""
+    scan's dot on mma.sync; STEP_BS: steps per step_terms program; PDL: bwd_fwd's kernels
+    launched as programmatic dependent launches (sm_90 and newer; kernels.dependent_launch)."""
     RDP: int
     TP: int
     RP: int
@@ -78,6 +79,7 @@ class Constants(Shape):
     SCAN_SYNC: bool
     PREFETCH: int
     STEP_BS: int
+    PDL: bool
     S_pad: int = 0
     nc: int = 0
 
@@ -241,8 +243,16 @@ def constants(pb: Problem) -> Constants:
     nc = -(-pb.S // pb.C)
     model = _model_constants(pb.H, pb.G, pb.N, pb.P, pb.R, pb.C, pb.rotary_dim_divisor,
                              tile_chunks(pb.C, pb.R), pb.dtype, pb.output_dtype, pb.has_z,
-                             pb.has_d, interpreter_active(), scan_sync(pb.N))
+                             pb.has_d, interpreter_active(), scan_sync(pb.N),
+                             _dependent_launches(pb.device))
     return dataclasses.replace(model, B=pb.B, S=pb.S, S_pad=nc * pb.C, nc=nc)
+
+
+def _dependent_launches(device: torch.device) -> bool:
+    """Whether the device runs programmatic dependent launches: CUDA, compute capability 9.0 or
+    newer, not the interpreter."""
+    return (device.type == "cuda" and not interpreter_active()
+            and compute_capability(device)[0] >= 9)
 
 
 # Cached because a new call plan needs it, and building it costs the host more than a small
@@ -250,7 +260,7 @@ def constants(pb: Problem) -> Constants:
 @functools.lru_cache(maxsize=None)
 def _model_constants(H: int, G: int, N: int, P: int, R: int, C: int, divisor: int, U: int,
                      dtype: torch.dtype, output_dtype: torch.dtype, has_z: bool, has_d: bool,
-                     interpret: bool, sync: bool) -> Constants:
+                     interpret: bool, sync: bool, pdl: bool = False) -> Constants:
     TP = _pow2(C, 1)
     RP = _pow2(R, 1)
     TP = max(TP, 16 // RP)  # a chunk tile has at least 16 rows, the smallest dot size
@@ -272,7 +282,8 @@ def _model_constants(H: int, G: int, N: int, P: int, R: int, C: int, divisor: in
                      OPAQUE=not interpret,
                      SCAN_SYNC=sync,
                      PREFETCH=2 if not interpret and output_prefetch(N, R, C) else 0,
-                     STEP_BS=step_terms_steps(N))
+                     STEP_BS=step_terms_steps(N),
+                     PDL=pdl and not interpret)
 
 
 # ---------------------------------------------------------------------------- state pass

@@ -460,7 +460,8 @@ def test_kernel_constants_cached_per_model():
     assert (m1.B, m1.S, m1.nc, m1.S_pad) == (1, 40, 3, 48)
     assert (m2.B, m2.S, m2.nc, m2.S_pad) == (3, 1000, 63, 1008)
     fresh = configs._model_constants.__wrapped__(2, 1, 16, 32, 2, 16, 4, m2.U, FP32, FP32, True,
-                                                 True, interpreter_active(), True)
+                                                 True, interpreter_active(), True,
+                                                 configs._dependent_launches(torch.device(DEVICE)))
     lengths = dict(B=0, S=0, S_pad=0, nc=0)
     assert dataclasses.replace(m2, **lengths) == fresh == dataclasses.replace(m1, **lengths)
     configs.constants(_problem(large, BF16))  # another dtype is another model

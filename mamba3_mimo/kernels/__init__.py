@@ -6,6 +6,12 @@
 integer helpers of their wrappers."""
 
 
+def dependent_launch(consts) -> dict:
+    """The launch option of a kernel that starts with `after_previous_kernel(PDL)`: launched as
+    a programmatic dependent launch where consts.PDL says the device has it (sm_90 and newer)."""
+    return {"launch_pdl": True} if consts.PDL else {}
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) on the host. triton.cdiv is a constexpr function, whose host calls cost a few
     microseconds each; the production launchers run on every call of the operator."""

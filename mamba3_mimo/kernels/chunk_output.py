@@ -29,10 +29,11 @@ import triton
 import triton.language as tl
 
 from ..runtime.launcher import Launch
-from . import cdiv, input_align, next_pow2
-from .common import (chunk_rows, dot, gate_epilogue_steps, gate_output_steps, load_cos_sin,
-                     load_mimo_v, load_rotated, load_v_steps, mac, opaque, prefetch,
-                     prefetch_steps, psi_v_rows, store_qk_dot, store_rank_sums, tile_weights)
+from . import cdiv, dependent_launch, input_align, next_pow2
+from .common import (after_previous_kernel, chunk_rows, dot, gate_epilogue_steps,
+                     gate_output_steps, load_cos_sin, load_mimo_v, load_rotated, load_v_steps,
+                     mac, opaque, prefetch, prefetch_steps, psi_v_rows, store_qk_dot,
+                     store_rank_sums, tile_weights)
 from .step_terms import GAMMA, K_DECAY, LOG_K, LOG_Q, Q_DECAY, TRAP_SCALE
 
 # What a tile writes (chunk_output_kernel's MODE): bwd_fwd's outputs, the whole operator's
@@ -224,7 +225,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                         U: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                         PREC: tl.constexpr, EXACT: tl.constexpr, OPAQUE: tl.constexpr,
                         BA: tl.constexpr, PREFETCH: tl.constexpr, PB: tl.constexpr,
-                        CAREFUL: tl.constexpr, FLAG_BLOCK: tl.constexpr, MODE: tl.constexpr):
+                        CAREFUL: tl.constexpr, FLAG_BLOCK: tl.constexpr, MODE: tl.constexpr,
+                        PDL: tl.constexpr):
     """One tile of one (b, h) and PB P blocks (`_tile`), grid (B*H * tiles, P blocks) = n_prog
     programs. MODE: BWD_FWD (bwd_fwd's outputs: qk_dot, dz, the dmimo partial sums and the
     flags below), FORWARD (the whole operator's output `out` alone; dout, qk_dot, dz, part_o,
@@ -235,6 +237,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     (cdiv(n_prog, FLAG_BLOCK),), whose programs read the flags of FLAG_BLOCK programs each and
     rerun the flagged tiles (none, almost always). sqb, skb, svb, sgb, sgh come divided by BA
     (kernels.input_align)."""
+    after_previous_kernel(PDL)
     n_prog = n_prog.to(tl.int64)  # PB * n_prog flags can pass 2**31
     if CAREFUL:
         first = tl.program_id(0).to(tl.int64) * FLAG_BLOCK
@@ -277,12 +280,13 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
 
 @triton.jit(do_not_specialize=["n_bh", "n_tiles", "s_part"])
 def rank_sums_kernel(parts, sums, n_bh, n_tiles, s_part, RP_SIZE: tl.constexpr,
-                     BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """sums[i] = the sum over tiles of parts[i // n_bh, i % n_bh, tile], [RP_SIZE] = R*P per
     (partial sum, b*h) row i: the dmimo_o / dmimo_z of one (b, h) from chunk_output's per-tile
     sums. ROWS tiles are loaded at once and reduced, then added in tile order: a fixed order, so
     the result is the same on every run. parts: [n_sums, B*H, n_tiles, R*P] with stride s_part
     between its n_sums blocks; sums: [n_sums * B*H, R*P], contiguous."""
+    after_previous_kernel(PDL)
     i = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = col < RP_SIZE
@@ -328,11 +332,12 @@ def _arguments(*, q, k, v, segsum, S: int, consts, cfg, **tensors) -> dict:
         sgb=gs[0] // BA, sgh=gs[1] // BA, sgc=gs[2], R=m.R, N=m.N, P=m.P, C=m.C, TP=m.TPO,
         RP=m.RP, HALF=m.N // 2, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, U=m.U, HAS_Z=m.HAS_Z,
         HAS_D=m.HAS_D, PREC=m.PREC, EXACT=m.EXACT, OPAQUE=m.OPAQUE, BA=BA, PREFETCH=m.PREFETCH,
-        PB=cfg.PB, FLAG_BLOCK=FLAG_BLOCK)
+        PB=cfg.PB, FLAG_BLOCK=FLAG_BLOCK, PDL=m.PDL)
 
 
-def _options(cfg) -> dict:
-    return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
+def _options(consts, cfg) -> dict:
+    return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+                **dependent_launch(consts))
 
 
 def operator_launch(*, grad: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -356,7 +361,7 @@ def operator_launch(*, grad: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         MODE=(GRAD if grad else FORWARD).value, consts=consts, cfg=cfg)
     m = consts
     grid = (m.B * m.H * cdiv(m.nc, m.U), cdiv(m.P, cfg.BP * cfg.PB))
-    return Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=False), _options(cfg))
+    return Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=False), _options(m, cfg))
 
 
 def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -390,7 +395,7 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     grid = (B * H * n_tiles, cdiv(m.P, cfg.BP * cfg.PB))
     RP_SIZE = m.R * m.P
     BLOCK = min(128, next_pow2(RP_SIZE))
-    options = _options(cfg)
+    options = _options(m, cfg)
     return [Launch(chunk_output_kernel, grid, dict(kwargs, CAREFUL=False), options),
             # the rerun of flagged tiles: a program reads FLAG_BLOCK flags and, if none is set,
             # exits
@@ -398,4 +403,5 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
                    options),
             Launch(rank_sums_kernel, (parts.shape[0] * B * H, cdiv(RP_SIZE, BLOCK)), dict(
                 parts=parts, sums=dmimo, n_bh=B * H, n_tiles=n_tiles, s_part=parts.stride(0),
-                RP_SIZE=RP_SIZE, BLOCK=BLOCK, ROWS=32), dict(num_warps=4))]
+                RP_SIZE=RP_SIZE, BLOCK=BLOCK, ROWS=32, PDL=m.PDL),
+                dict(num_warps=4, **dependent_launch(m)))]

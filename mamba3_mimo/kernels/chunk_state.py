@@ -16,8 +16,8 @@ import triton.language as tl
 
 from ..runtime.launcher import Launch
 from ..runtime.plans import placeholder
-from . import cdiv, input_align
-from .common import (chain, chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
+from . import cdiv, dependent_launch, input_align
+from .common import (after_previous_kernel, chain, chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_v_steps, psi_v_rows, rotate_pairs)
 from .step_terms import K_DECAY
 
@@ -81,10 +81,11 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
                            svp, R, N: tl.constexpr, P: tl.constexpr, C,
                            TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                            BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
-                           BA: tl.constexpr):
+                           BA: tl.constexpr, PDL: tl.constexpr):
     """inc[b, h, c + 1] = sum_{t in chunk c} k_w[t]^T psi_v[t] with
     k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1. skb and svb come
     divided by BA (kernels.input_align)."""
+    after_previous_kernel(PDL)
     # (b*h, chunk) flattened on grid axis 0, b*h fastest: axis 1 would cap nc at 65,535
     pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
     bh = (pid % n_bh).to(tl.int64)
@@ -111,7 +112,7 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
 def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh,
                          NP_SIZE: tl.constexpr, BLOCK: tl.constexpr, DEPTH: tl.constexpr,
                          KEEP_FP32: tl.constexpr, HAS_INIT: tl.constexpr,
-                         VARLEN: tl.constexpr):
+                         VARLEN: tl.constexpr, PDL: tl.constexpr):
     """states[c] = states[c-1] * exp(da_cs[c*C - 1]) + inc[c], on [BLOCK] slices; states[0] = 0,
     or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN
     (packed sequences, B = 1): sequence j's chunks bounds[j] .. bounds[j + 1] - 1 (bounds int32
@@ -127,6 +128,7 @@ def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh
     KEEP_FP32 (narrower outputs that chunk_output may not read, configs.out_states_suffice) the
     fp32 state also replaces inc[c] for the chunks that start a chunk_output tile (c % U == 0),
     the only ones it reads, at full precision."""
+    after_previous_kernel(PDL)
     bh, lo, n_ch, init_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
@@ -164,13 +166,14 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
                       TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                       BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                       KEEP_FP32: tl.constexpr, SYNC: tl.constexpr, OPAQUE: tl.constexpr,
-                      HAS_INIT: tl.constexpr, VARLEN: tl.constexpr):
+                      HAS_INIT: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr):
     """states[b, h, c + 1] = states[b, h, c] exp(da_cs[end of c]) + k_w^T psi_v of chunk c, the
     increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0,
     or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN as
     state_passing_kernel's (one program per (sequence, h, block)).
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
     also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
+    after_previous_kernel(PDL)
     bh, lo, n_ch, init_row = chain(tl.program_id(0), H, nc, bounds, VARLEN)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)
@@ -270,7 +273,7 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
         plane=B * H * m.S_pad, nc=m.nc, H=H, HG=H // m.G, n_jb=n_jb, skb=ks[0] // BA, sks=ks[1],
         skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], R=m.R,
         N=N, P=P, C=m.C, TP=m.TP, RP=m.RP, HALF=half, RD=m.RD, BJ=cfg.BJ, BP=cfg.BP, PREC=m.PREC,
-        BA=BA)
+        BA=BA, PDL=m.PDL)
     p_blocks = n_jb * cdiv(P, cfg.BP)
     stand = placeholder(k.device)
     first = dict(init=stand if init is None else init, HAS_INIT=init is not None,
@@ -280,11 +283,12 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
         return [Launch(state_scan_kernel, (chains, p_blocks), dict(
             common, da_cs=da_cs, states=states, keep=inc, U=m.U, KEEP_FP32=keep_fp32,
             SYNC=m.SCAN_SYNC, OPAQUE=m.OPAQUE, **first),
-            dict(num_warps=cfg.num_warps, num_stages=1))]
+            dict(num_warps=cfg.num_warps, num_stages=1, **dependent_launch(m)))]
     return [Launch(chunk_increment_kernel, (B * H * max(m.nc - 1, 0), p_blocks),
-                   dict(common, inc=inc, n_bh=B * H), dict(num_warps=cfg.num_warps)),
+                   dict(common, inc=inc, n_bh=B * H),
+                   dict(num_warps=cfg.num_warps, **dependent_launch(m))),
             Launch(state_passing_kernel, (chains, cdiv(N * P, cfg.BLOCK)), dict(
                 inc=inc, da_cs=da_cs, states=states, S_pad=m.S_pad, nc=m.nc, C=m.C, U=m.U,
                 n_bh=B * H, NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH,
-                KEEP_FP32=keep_fp32, **first),
-                dict(num_warps=4))]
+                KEEP_FP32=keep_fp32, PDL=m.PDL, **first),
+                dict(num_warps=4, **dependent_launch(m)))]

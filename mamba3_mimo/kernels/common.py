@@ -6,6 +6,7 @@ RP >= R padded to powers of two; padded rows are masked to zero on load.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -387,3 +388,15 @@ def chain(pid, n_bh, nc, bounds, VARLEN: tl.constexpr):
     else:
         bh = pid.to(tl.int64)
         return bh, bh * 0, nc, bh
+
+
+@triton.jit
+def after_previous_kernel(PDL: tl.constexpr):
+    """The first statement of a kernel launched as a programmatic dependent launch (PDL, sm_90
+    and newer; kernels.dependent_launch): its programs may be resident before the previous
+    kernel on the stream has finished, so they wait for its results (griddepcontrol.wait:
+    everything it wrote visible) before touching memory, then let the next kernel start
+    launching once every program of this one has started. Without PDL, nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

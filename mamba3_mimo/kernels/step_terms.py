@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from ..runtime.launcher import Launch
-from . import aligned_numel, cdiv
-from .common import rotary_cos_sin, trap_terms
+from . import aligned_numel, cdiv, dependent_launch
+from .common import after_previous_kernel, rotary_cos_sin, trap_terms
 
 # planes of the `terms` scratch [6, B*H, S_pad]
 GAMMA = tl.constexpr(0)
@@ -28,7 +28,7 @@ N_PLANES = 6
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "sab"])
 def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad, n_bh, H, C,
                       sab, sas, sah, san, RD, BS: tl.constexpr, RDP: tl.constexpr,
-                      U: tl.constexpr):
+                      U: tl.constexpr, PDL: tl.constexpr):
     """For steps s of one (b, h): terms[GAMMA] = gamma, terms[TRAP_SCALE] = trap_scale,
     terms[K_DECAY] = trap_scale * exp(da_cs_rev), terms[Q_DECAY] = exp(LOG_Q); cos/sin
     [S_pad, RD] of the angles.
@@ -38,6 +38,7 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     the exponent A[t] - A[t'] = LOG_Q[t] + LOG_K[t'] with
     LOG_K[t'] = da_cs_rev[t'] - D(chunks of the tile up to t''s chunk), D(...) the sum of those
     chunks' da_cs at their last step. With U = 1, LOG_Q = da_cs and LOG_K is not needed."""
+    after_previous_kernel(PDL)
     # (b*h, block of steps) flattened on grid axis 0, b*h fastest: axis 1 would cap the
     # length at 65,535 blocks
     pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
@@ -104,4 +105,4 @@ def launch(*, angles: torch.Tensor, da_cs: torch.Tensor, da_cs_rev: torch.Tensor
         angles=angles, da_cs=da_cs, da_cs_rev=da_cs_rev, dt=dt, trap=trap, terms=terms, cos=cos,
         sin=sin, S_pad=m.S_pad, n_bh=n_bh, H=m.H, C=m.C, sab=angles.stride(0),
         sas=angles.stride(1), sah=angles.stride(2), san=angles.stride(3), RD=m.RD, BS=m.STEP_BS,
-        RDP=m.RDP, U=m.U), {})
+        RDP=m.RDP, U=m.U, PDL=m.PDL), dependent_launch(m))
