@@ -260,7 +260,7 @@ def _dependent_launches(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _model_constants(H: int, G: int, N: int, P: int, R: int, C: int, divisor: int, U: int,
                      dtype: torch.dtype, output_dtype: torch.dtype, has_z: bool, has_d: bool,
-                     interpret: bool, sync: bool, pdl: bool = False) -> Constants:
+                     interpret: bool, sync: bool, pdl: bool) -> Constants:
     TP = _pow2(C, 1)
     RP = _pow2(R, 1)
     TP = max(TP, 16 // RP)  # a chunk tile has at least 16 rows, the smallest dot size

@@ -17,8 +17,8 @@ import triton.language as tl
 from ..runtime.launcher import Launch
 from ..runtime.plans import placeholder
 from . import cdiv, dependent_launch, input_align
-from .common import (after_previous_kernel, chain, chunk_rows, dot, dot_sync, load_cos_sin, load_mimo_v, load_pair_columns,
-                     load_v_steps, psi_v_rows, rotate_pairs)
+from .common import (after_previous_kernel, chain, chunk_rows, dot, dot_sync, load_cos_sin,
+                     load_mimo_v, load_pair_columns, load_v_steps, psi_v_rows, rotate_pairs)
 from .step_terms import K_DECAY
 
 

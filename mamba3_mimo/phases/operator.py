@@ -337,8 +337,8 @@ def tiled_output(x: dict) -> bool:
     return x["MIMO_Out"] is not None and not x["fuse_norm"]
 
 
-# the output stage's outputs in both kernels (and chunk_forward's part_w); those a mode does
-# not write are the placeholder
+# the output stage's outputs that both of its kernels take (chunk_forward's part_w is passed
+# apart); those a mode does not write are the placeholder
 _OUTPUT_STAGE = ("out", "dout", "dz", "dy", "part_o", "part_z")
 
 
