@@ -533,7 +533,7 @@ def test_prefetch_policy():
     compiled build only where it measured faster (R > 1)."""
     for R, interpret, want in ((4, False, 2), (2, False, 2), (1, False, 0), (4, True, 0)):
         m = configs._model_constants.__wrapped__(2, 1, 16, 32, R, 16, 4, 1, BF16, BF16, True,
-                                                 True, interpret, True)
+                                                 True, interpret, True, False)
         assert m.PREFETCH == want, (R, interpret)
     shape = Shape(1, 40, 2, 1, 16, 32, 2, 16)
     assert configs.constants(_problem(shape)).PREFETCH == (0 if interpreter_active() else 2)
