@@ -7,7 +7,7 @@ integer helpers of their wrappers."""
 
 
 def dependent_launch(consts) -> dict:
-    """The launch option of a kernel that starts with `after_previous_kernel(PDL)`: launched as
+    """The launch option of a kernel that starts with `after_previous_kernel`: launched as
     a programmatic dependent launch where consts.PDL says the device has it (sm_90 and newer)."""
     return {"launch_pdl": True} if consts.PDL else {}
 

@@ -183,16 +183,25 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
         raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
         if CAREFUL:
             raw = tl.where(poison[:, None, :], float("nan"), raw)
-        # dz and out [B, S, H, P], dy [B, S, R, H, P], contiguous: the head's slice at a step
-        t_rows = (b * S + t0 + tt) * H * P
+        # dz and out [B, S, H, P], dy [B, S, R, H, P], contiguous: the head's slice at the
+        # tile's steps, as a base and offsets per step. 32-bit offsets from the tile's first step
+        # spill least in bwd_fwd and the forward, 64-bit ones from step 0 in GRAD (offline sm_90:
+        # the stack of either form in the other mode is larger)
+        if MODE == GRAD:
+            t_base = h * P
+            t_rows = (b * S + t0 + tt) * H * P
+        else:
+            t_base = (b * S + t0) * H * P + h * P
+            t_rows = tt * (H * P)
         if MODE == FORWARD:
             gate_output_steps(raw, z + vh, (t0 + tt) * svs, out_ok, mimo_o + h * R * P,
-                              mimo_z + h * R * P, R, p, pm, P, svp, out + h * P, t_rows, HAS_Z,
+                              mimo_z + h * R * P, R, p, pm, P, svp, out + t_base, t_rows, HAS_Z,
                               2 if OPAQUE else 1)
         else:
+            # dy: read in GRAD only, where t_base is the head's column
             sum_o, sum_z = gate_epilogue_steps(
                 raw, dout + vh, z + vh, (t0 + tt) * svs, out_ok, mimo_o + h * R * P,
-                mimo_z + h * R * P, R, p, pm, P, svp, dz + h * P, t_rows, dy + h * P,
+                mimo_z + h * R * P, R, p, pm, P, svp, dz + t_base, t_rows, dy + t_base,
                 t_rows * R, H * P, HAS_Z, 2 if OPAQUE else 1,  # the sigmoid: inline asm
                 MODE == GRAD)
             part = (bh * n_tiles + o) * R * P
@@ -237,7 +246,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     (cdiv(n_prog, FLAG_BLOCK),), whose programs read the flags of FLAG_BLOCK programs each and
     rerun the flagged tiles (none, almost always). sqb, skb, svb, sgb, sgh come divided by BA
     (kernels.input_align)."""
-    after_previous_kernel(PDL)
+    after_previous_kernel(PDL, START_NEXT=True)
     n_prog = n_prog.to(tl.int64)  # PB * n_prog flags can pass 2**31
     if CAREFUL:
         first = tl.program_id(0).to(tl.int64) * FLAG_BLOCK
@@ -286,7 +295,7 @@ def rank_sums_kernel(parts, sums, n_bh, n_tiles, s_part, RP_SIZE: tl.constexpr,
     sums. ROWS tiles are loaded at once and reduced, then added in tile order: a fixed order, so
     the result is the same on every run. parts: [n_sums, B*H, n_tiles, R*P] with stride s_part
     between its n_sums blocks; sums: [n_sums * B*H, R*P], contiguous."""
-    after_previous_kernel(PDL)
+    after_previous_kernel(PDL, START_NEXT=True)
     i = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = col < RP_SIZE

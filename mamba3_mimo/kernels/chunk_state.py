@@ -85,7 +85,7 @@ def chunk_increment_kernel(k, v, k_bias, mimo_v, terms, cos, sin, inc,
     """inc[b, h, c + 1] = sum_{t in chunk c} k_w[t]^T psi_v[t] with
     k_w = rot(k + k_bias) * trap_scale * exp(da_cs_rev), for c < nc - 1. skb and svb come
     divided by BA (kernels.input_align)."""
-    after_previous_kernel(PDL)
+    after_previous_kernel(PDL, START_NEXT=True)
     # (b*h, chunk) flattened on grid axis 0, b*h fastest: axis 1 would cap nc at 65,535
     pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
     bh = (pid % n_bh).to(tl.int64)
@@ -128,7 +128,7 @@ def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh
     KEEP_FP32 (narrower outputs that chunk_output may not read, configs.out_states_suffice) the
     fp32 state also replaces inc[c] for the chunks that start a chunk_output tile (c % U == 0),
     the only ones it reads, at full precision."""
-    after_previous_kernel(PDL)
+    after_previous_kernel(PDL, START_NEXT=True)
     bh, lo, n_ch, init_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
@@ -173,7 +173,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     state_passing_kernel's (one program per (sequence, h, block)).
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
     also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
-    after_previous_kernel(PDL)
+    after_previous_kernel(PDL, START_NEXT=True)
     bh, lo, n_ch, init_row = chain(tl.program_id(0), H, nc, bounds, VARLEN)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)

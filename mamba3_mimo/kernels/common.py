@@ -391,12 +391,14 @@ def chain(pid, n_bh, nc, bounds, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def after_previous_kernel(PDL: tl.constexpr):
+def after_previous_kernel(PDL: tl.constexpr, START_NEXT: tl.constexpr):
     """The first statement of a kernel launched as a programmatic dependent launch (PDL, sm_90
     and newer; kernels.dependent_launch): its programs may be resident before the previous
     kernel on the stream has finished, so they wait for its results (griddepcontrol.wait:
-    everything it wrote visible) before touching memory, then let the next kernel start
-    launching once every program of this one has started. Without PDL, nothing."""
+    everything it wrote visible) before touching memory. START_NEXT: then let the next kernel
+    start launching once every program of this one has started (otherwise it starts when this
+    one ends). Without PDL, nothing."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if START_NEXT:
+            gdc_launch_dependents()

@@ -38,7 +38,9 @@ def step_terms_kernel(angles, da_cs, da_cs_rev, dt, trap, terms, cos, sin, S_pad
     the exponent A[t] - A[t'] = LOG_Q[t] + LOG_K[t'] with
     LOG_K[t'] = da_cs_rev[t'] - D(chunks of the tile up to t''s chunk), D(...) the sum of those
     chunks' da_cs at their last step. With U = 1, LOG_Q = da_cs and LOG_K is not needed."""
-    after_previous_kernel(PDL)
+    # The state pass starts when this kernel ends: its programs resident beside this one's
+    # slowed bwd_fwd by 6 % at N128_P64_R8_C8 (H200, GPU span per call; docs/performance.md)
+    after_previous_kernel(PDL, START_NEXT=False)
     # (b*h, block of steps) flattened on grid axis 0, b*h fastest: axis 1 would cap the
     # length at 65,535 blocks
     pid = tl.program_id(0)  # < 2**31: 32-bit division, then 64-bit offsets
