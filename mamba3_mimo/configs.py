@@ -88,14 +88,17 @@ class Constants(Shape):
 class Overrides:
     """What `override` may replace: the candidate lists of the state pass and chunk_output
     (each tried in order until one fits the shared memory), the chunks per output tile, the
-    scan's dot form, whether the device counts as one the configs were measured on, and the
-    shared memory per block assumed of every device."""
+    scan's dot form, whether the device counts as one the configs were measured on, the
+    shared memory per block assumed of every device, and whether the kernels launch as
+    programmatic dependent launches (on where the device lacks them, a launch fails: for offline
+    compiles and A/B runs)."""
     state: Optional[Tuple[StateConfig, ...]] = None
     output: Optional[Tuple[OutputConfig, ...]] = None
     tile_chunks: Optional[int] = None
     scan_sync: Optional[bool] = None
     measured_arch: Optional[bool] = None
     smem_limit: Optional[int] = None
+    dependent_launches: Optional[bool] = None
 
 
 _active = Overrides()
@@ -249,8 +252,10 @@ def constants(pb: Problem) -> Constants:
 
 
 def _dependent_launches(device: torch.device) -> bool:
-    """Whether the device runs programmatic dependent launches: CUDA, compute capability 9.0 or
-    newer, not the interpreter."""
+    """Whether the kernels launch as programmatic dependent launches: where the device runs them
+    (CUDA, compute capability 9.0 or newer, not the interpreter), unless overridden."""
+    if _active.dependent_launches is not None:
+        return _active.dependent_launches
     return (device.type == "cuda" and not interpreter_active()
             and compute_capability(device)[0] >= 9)
 

@@ -90,3 +90,18 @@ def test_operator_kernels_fit(arch, dims, norm):
         assert name in res, res
     assert all(shared <= SMEM_LIMIT for _, _, shared in res.values()), res
     assert all(stack <= OPERATOR_MAX_STACK for _, stack, _ in res.values()), res
+
+
+def test_dependent_launches(tmp_path):
+    """Compiled as programmatic dependent launches (sm_90), every kernel of a bwd_fwd call waits
+    for its predecessor's results before touching memory (griddepcontrol.wait), and each but
+    step_terms lets its successor start early (griddepcontrol.launch_dependents): the state
+    pass's programs resident beside step_terms's slowed N128_P64_R8_C8 by 6 % on the H200
+    (docs/performance.md, "The hardening's cost")."""
+    res = compiled_resources(90, 16, 64, 4, 8, "--override", '{"dependent_launches": true}',
+                             "--ptx-dir", str(tmp_path))
+    assert "step_terms_kernel" in res and len(res) >= 4, res
+    for name in res:
+        ptx = (tmp_path / f"{name}.ptx").read_text()
+        assert "griddepcontrol.wait" in ptx, name
+        assert ("griddepcontrol.launch_dependents" in ptx) == (name != "step_terms_kernel"), name
