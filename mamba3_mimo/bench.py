@@ -228,7 +228,8 @@ def load_previous(checkout: Path) -> Callable:
 def bench_config(cfg: Config, rounds: int, with_stage0: bool,
                  upstream: Dict[Tuple[str, bool], float], bar, rep_ms: int = 100,
                  previous: Optional[Callable] = None) -> List[dict]:
-    """Warm up then time every candidate on one config, interleaved over `rounds`; one row each."""
+    """Warm up then time every candidate on one config, interleaved over `rounds`, each round
+    starting from the next candidate (so that no candidate always runs first); one row each."""
     from triton.testing import do_bench
     args = make_inputs(cfg.shape, torch.bfloat16, z_gate=cfg.z, d_skip=True, device="cuda")
     args.pop("adt")
@@ -245,8 +246,8 @@ def bench_config(cfg: Config, rounds: int, with_stage0: bool,
     first = {n: _attempt(errors, n, functools.partial(first_call_s, fns[n])) for n in names}
     bar.update()
     times: Dict[str, List[float]] = {n: [] for n in names}
-    for _ in range(rounds):
-        for n in names:
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
             if n not in errors:
                 ms = _attempt(errors, n, functools.partial(do_bench, fns[n], rep=rep_ms,
                                                               return_mode="median"))
