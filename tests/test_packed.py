@@ -205,3 +205,18 @@ def test_boundaries_read_once_per_tensor(monkeypatch):
     assert a is packed.packing([0, 3, 8], 4, cu.device) and a is not b
     monkeypatch.undo()
     assert a.pos.tolist() == [0, 1, 2, 8, 9, 10, 11, 12] and b.chunk_bounds.tolist() == [0, 3, 5]
+
+
+@pytest.mark.parametrize("cu, C", [([0, 5], 4), ([0, 8, 9, 30], 8), ([0, 16, 32], 16),
+                                   ([0, 1, 2, 3, 70], 16)])
+def test_layout_covers_every_step_once(cu, C):
+    """The packed layout's given steps (pos) and pad steps (pads) together are every laid-out
+    step, each once: pack writes the given steps and zeroes the pads into uninitialised memory,
+    so a step in neither would hold garbage. pack equals zeros with the steps copied in."""
+    from mamba3_mimo.phases import packed
+    pk = packed.packing(cu, C, torch.device(DEVICE))
+    both = torch.cat([pk.pos, pk.pads]).sort().values
+    assert torch.equal(both.cpu(), torch.arange(pk.S_pack))
+    x = torch.randn(2, cu[-1], 3, device=DEVICE)
+    want = x.new_zeros(2, pk.S_pack, 3).index_copy_(1, pk.pos, x)
+    assert torch.equal(packed.pack(x, 1, pk), want)

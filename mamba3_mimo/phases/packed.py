@@ -20,7 +20,9 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class Packing:
     """The packed layout of one call: n_seq sequences, S given steps, S_pack laid-out steps
-    (whole chunks of C). pos [S]: where each given step lies; firsts, lasts [n_seq]: where each
+    (whole chunks of C). pos [S]: where each given step lies; pads: the laid-out steps that no
+    given step takes (each sequence's pad chunk and its last chunk's tail); firsts, lasts
+    [n_seq]: where each
     sequence's first and last steps lie; pad_chunks [n_seq]: each sequence's pad chunk (long
     tensors); chunk_bounds [n_seq + 1] int32: sequence j and its pad chunk cover chunks
     chunk_bounds[j] .. chunk_bounds[j + 1] - 1 (the kernels' VARLEN tables; step_bounds the
@@ -29,6 +31,7 @@ class Packing:
     C: int
     S_pack: int
     pos: Tensor
+    pads: Tensor
     firsts: Tensor
     lasts: Tensor
     pad_chunks: Tensor
@@ -97,7 +100,10 @@ def _packing(cu: List[int], C: int, device: torch.device) -> Packing:
     first_chunk = bounds[:-1]
     # a given step's place: its sequence's first laid-out step plus its index in the sequence
     pos = torch.arange(cu[-1]) + torch.repeat_interleave(first_chunk * C - cu_t[:-1], lengths)
-    host = dict(pos=pos, firsts=first_chunk * C, lasts=first_chunk * C + lengths - 1,
+    taken = torch.zeros(int(bounds[-1]) * C, dtype=torch.bool)
+    taken[pos] = True
+    host = dict(pos=pos, pads=(~taken).nonzero().squeeze(1), firsts=first_chunk * C,
+                lasts=first_chunk * C + lengths - 1,
                 pad_chunks=bounds[1:] - 1, chunk_bounds=bounds.to(torch.int32),
                 step_bounds=(bounds * C).to(torch.int32))
     return Packing(n_seq=len(cu) - 1, C=C, S_pack=int(bounds[-1]) * C,
@@ -105,10 +111,11 @@ def _packing(cu: List[int], C: int, device: torch.device) -> Packing:
 
 
 def pack(x: Tensor, dim: int, pk: Packing) -> Tensor:
-    """x with its S steps on dim laid out as pk says, zeros elsewhere (contiguous)."""
+    """x with its S steps on dim laid out as pk says, zeros elsewhere (contiguous). Only the pad
+    steps are zeroed: one write of the layout instead of two."""
     shape = list(x.shape)
     shape[dim] = pk.S_pack
-    return x.new_zeros(shape).index_copy_(dim, pk.pos, x)
+    return x.new_empty(shape).index_fill_(dim, pk.pads, 0).index_copy_(dim, pk.pos, x)
 
 
 def unpack(x: Tensor, dim: int, pk: Packing) -> Tensor:
