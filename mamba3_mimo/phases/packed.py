@@ -22,11 +22,10 @@ class Packing:
     """The packed layout of one call: n_seq sequences, S given steps, S_pack laid-out steps
     (whole chunks of C). pos [S]: where each given step lies; pads: the laid-out steps that no
     given step takes (each sequence's pad chunk and its last chunk's tail); firsts, lasts
-    [n_seq]: where each
-    sequence's first and last steps lie; pad_chunks [n_seq]: each sequence's pad chunk (long
-    tensors); chunk_bounds [n_seq + 1] int32: sequence j and its pad chunk cover chunks
-    chunk_bounds[j] .. chunk_bounds[j + 1] - 1 (the kernels' VARLEN tables; step_bounds the
-    same in steps). All on the call's device."""
+    [n_seq]: where each sequence's first and last steps lie; pad_chunks [n_seq]: each
+    sequence's pad chunk (long tensors); chunk_bounds [n_seq + 1] int32: sequence j and its pad
+    chunk cover chunks chunk_bounds[j] .. chunk_bounds[j + 1] - 1 (the kernels' VARLEN tables;
+    step_bounds the same in steps). All on the call's device."""
     n_seq: int
     C: int
     S_pack: int
