@@ -253,11 +253,11 @@ def constants(pb: Problem) -> Constants:
 
 def _dependent_launches(device: torch.device) -> bool:
     """Whether the kernels launch as programmatic dependent launches: where the device runs them
-    (CUDA, compute capability 9.0 or newer, not the interpreter), unless overridden."""
+    (CUDA, compute capability 9.0 or newer), unless overridden; never under the interpreter
+    (_model_constants)."""
     if _active.dependent_launches is not None:
         return _active.dependent_launches
-    return (device.type == "cuda" and not interpreter_active()
-            and compute_capability(device)[0] >= 9)
+    return device.type == "cuda" and compute_capability(device)[0] >= 9
 
 
 # Cached because a new call plan needs it, and building it costs the host more than a small

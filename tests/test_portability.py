@@ -84,9 +84,9 @@ def test_operator_kernels_fit(arch, dims, norm):
     res = compiled_resources(arch, *dims, "--operator", *(["--norm"] if norm else []))
     stage = (("chunk_forward_kernel", "chunk_forward_kernel.grad") if norm else
              ("chunk_output_kernel.forward", "chunk_output_kernel.grad"))
-    for name in (*stage, "state_grad_kernel",
-                 "chunk_grads_qk_kernel", "chunk_grads_v_kernel", "angle_sum_kernel", "angle_sum_kernel.reverse",
-                 "decay_pieces_kernel", "decode_step_kernel", "decode_step_kernel.prepared"):
+    for name in (*stage, "state_grad_kernel", "chunk_grads_qk_kernel", "chunk_grads_v_kernel",
+                 "angle_sum_kernel", "angle_sum_kernel.reverse", "decay_pieces_kernel",
+                 "decode_step_kernel", "decode_step_kernel.prepared"):
         assert name in res, res
     assert all(shared <= SMEM_LIMIT for _, _, shared in res.values()), res
     assert all(stack <= OPERATOR_MAX_STACK for _, stack, _ in res.values()), res
