@@ -349,7 +349,7 @@ STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 
 
 # chunk_grads_qk's blocks, measured on the H200 (2026-12-04, kernel time per forward+backward,
-# docs/performance.md): 32 pairs x 64 columns at 8 warps took it 1.71 -> 1.39 ms at
+# docs/performance-operator.md): 32 pairs x 64 columns at 8 warps took it 1.71 -> 1.39 ms at
 # N128_P64_R4_C16, 3.36 -> 2.77 at N256_P64_R4_C8, 1.36 -> 0.96 at N64_P128_R4_C16 (32 x 32 at
 # 8 warps 1.52, 3.00, 1.15; 32 x 32 at 4 warps 2.12, 4.13, 1.38) and 0.50 -> 0.57 at
 # N16_P64_R4_C8, whose 8 pairs fill no 32-pair block. chunk_grads_v's walks over N in 32-pair
