@@ -214,3 +214,30 @@ def test_split_full_size_on_the_gpu():
     bad = {n: f"{e:.2e}" for n, e in errors.items()
            if not e <= THRESHOLDS[torch.bfloat16]}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["fused_scan", "split_pass"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_start", "given_start"])
+@pytest.mark.parametrize("B", [1, 2])
+def test_dense_chains_in_segments(monkeypatch, B, with_state, scan):
+    """A dense call with fewer than packed.TARGET_CHAINS batch entries runs its serial passes
+    over segments of its chunks (here of a kernel chunk or two: MIN_SEGMENT_CHUNKS = 1) in
+    every batch entry, joined: every output and gradient, the initial state's included,
+    against the float64 reference (with the split state pass only the reverse scan runs in
+    segments)."""
+    from mamba3_mimo.phases import packed
+    monkeypatch.setattr(packed, "MIN_SEGMENT_CHUNKS", 1)
+    packed.segments.cache_clear()
+    made = []
+    segments = packed.segments
+    monkeypatch.setattr(packed, "segments", lambda *a: made.append(segments(*a)) or made[-1])
+    args = make_args(B=B, S=45, H=2, G=1, R=3, N=12, P=10, chunk_size=4, seed=57)
+    a, i = _ours(args, state_for(args, seed=58) if with_state else None)
+    with configs.override(state=[StateConfig(scan=scan, BJ=16, BP=16)]):
+        got_out, got_grads = _run(mamba3_mimo, a, i)
+    assert made and made[0] is not None and made[0].n_segs > 1, made
+    ra, ri = _f64(a, i)
+    want_out, want_grads = _run(mamba3_mimo_reference, ra, ri)
+    _assert_within(got_out, want_out, "outputs")
+    _assert_within(got_grads, want_grads, "gradients")
+    segments.cache_clear()

@@ -220,3 +220,57 @@ def test_layout_covers_every_step_once(cu, C):
     x = torch.randn(2, cu[-1], 3, device=DEVICE)
     want = x.new_zeros(2, pk.S_pack, 3).index_copy_(1, pk.pos, x)
     assert torch.equal(packed.pack(x, 1, pk), want)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["fused_scan", "split_pass"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_start", "given_start"])
+@pytest.mark.parametrize("lengths", [[1, 60, 3], [25, 6, 2, 33]], ids=["one_long", "two_long"])
+def test_sequences_in_segments(monkeypatch, lengths, with_state, scan):
+    """Sequences longer than the average cut into segments for the state pass (here of a
+    kernel chunk or more: packed.MIN_SEGMENT_CHUNKS = 1), each run from zero and then joined
+    (chunk_state.segment_join_kernel) from the sequence's initial state or zero: every output
+    and gradient against the float64 reference, fp32 inputs; with the split state pass only
+    the reverse scan runs in segments."""
+    from mamba3_mimo.phases import packed
+    monkeypatch.setattr(packed, "MIN_SEGMENT_CHUNKS", 1)
+    monkeypatch.setattr(packed, "_LAYOUTS", type(packed._LAYOUTS)())
+    packed.segments.cache_clear()
+    args = _args(lengths, dict(H=2, G=1, R=3, N=12, P=10), seed=97)
+    init = None
+    if with_state:
+        n = len(lengths)
+        init = tuple(torch.cat([x] * n) + 0.1 * torch.arange(n, dtype=F64).view(-1, *[1] * (
+            x.dim() - 1)) for x in state_for(args, seed=98))
+    a, i = _ours(args, init)
+    cu = _cu(lengths)
+    layouts = []
+    packing = packed.packing
+    monkeypatch.setattr(packed, "packing", lambda *a: layouts.append(packing(*a)) or layouts[-1])
+    with configs.override(state=[StateConfig(scan=scan, BJ=16, BP=16)]):
+        got_out, got_grads = _run(mamba3_mimo, a, i, cu_seqlens=cu)
+    segments = layouts[0].segments
+    assert segments is not None and segments.n_segs > len(lengths), segments
+    ra, ri = _f64(a, i)
+    want_out, want_grads = _run(mamba3_mimo_reference, ra, ri, cu_seqlens=cu.cpu())
+    _assert_within(got_out, want_out, "outputs")
+    _assert_within(got_grads, want_grads, "gradients")
+
+
+def test_segment_plan():
+    """packed.segments: sequences longer than the chunks per chain at TARGET_CHAINS chains per
+    head (and MIN_SEGMENT_CHUNKS) cut into near-equal segments, in order, with each segment's
+    sequence, the sequence's first and last segments, and each sequence's last segment; None
+    where no sequence is longer: the official grid's dense calls (B = 4) are never cut."""
+    from mamba3_mimo.phases import packed
+    cpu = torch.device("cpu")
+    assert packed.segments((3, 5, 4), 1, cpu) is None
+    seg = packed.segments((100, 10, 40, 2), 1, cpu)
+    assert seg.length == max(packed.MIN_SEGMENT_CHUNKS, 38)
+    assert seg.bounds.tolist() == [0, 34, 67, 100, 110, 130, 150, 152]
+    assert seg.seq.tolist() == [0, 0, 0, 1, 2, 2, 3]
+    assert seg.first.tolist() == [0, 0, 0, 3, 4, 4, 6]
+    assert seg.last.tolist() == [2, 2, 2, 3, 5, 5, 6]
+    assert seg.ends.tolist() == [2, 3, 5, 6]
+    assert packed.segments((128,), 4, cpu) is None and packed.segments((129,), 4, cpu) is None
+    assert packed.segments((256,), 2, cpu).bounds.tolist() == [0, 128, 256]
+    assert packed.segments((512,), 1, cpu).bounds.tolist() == [0, 128, 256, 384, 512]

@@ -31,7 +31,7 @@ import triton.language as tl
 from .. import configs
 from ..runtime.device import on_device
 from ..runtime.launcher import Launch
-from . import cdiv, input_align, next_pow2
+from . import cdiv, chunk_state, input_align, next_pow2
 from .common import (chain, chunk_rows, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_rotated, mac, rotate_pairs)
 from .step_terms import Q_DECAY
@@ -40,16 +40,18 @@ from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block,
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb"])
-def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_final, S_pad,
-                      n_bh, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn,
+def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_final, finals,
+                      S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn,
                       TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                      PREC: tl.constexpr, VARLEN: tl.constexpr):
+                      PREC: tl.constexpr, VARLEN: tl.constexpr, FINALS: tl.constexpr):
     """One (b, h), one block of BJ pair rows and one of BP columns of the state per program
     (grid (B*H, pair blocks * P blocks)); dstates [B, H, nc + 1, N, P] fp32 holds d final state
     in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32. VARLEN (packed
     sequences, B = 1): one (sequence j, h) per program over chunks bounds[j] .. bounds[j + 1] - 1
     (bounds int32 [n_seq + 1]), from the last, starting from the sequence's final-state gradient
-    d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side."""
+    d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side. FINALS (with VARLEN):
+    the gradient entering each chain's first chunk also goes to finals, rows as d_final's
+    (segments of sequences, packed.Segments)."""
     bh, lo, n_ch, seq_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     b, h = bh // H, bh % H
     HALF = N // 2
@@ -91,6 +93,9 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_
         tl.store(ds_c + st_off, run1, mask=jm)
         tl.store(ds_c + HALF * P + st_off, run2, mask=jm)
         x1, x2, cs, sn, w, d_y, decay = nx1, nx2, ncs, nsn, nw, nd_y, ndecay
+    if FINALS:
+        tl.store(finals + seq_row * N * P + st_off, run1, mask=jm)
+        tl.store(finals + seq_row * N * P + HALF * P + st_off, run2, mask=jm)
 
 
 @triton.jit
@@ -438,11 +443,14 @@ def buffers(consts, device, d_final_state=None) -> dict:
 
 
 def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev, segsum,
-             dy, states, consts, precision: str, bounds=None, d_ends=None, dq, dk, part_qb,
-             part_kb, dv, part_psi, part_d, d_angles, d_gamma, d_trap_scale, d_adt, dstates,
-             part_cs, part_carried) -> list:
+             dy, states, consts, precision: str, bounds=None, d_ends=None, segments=None,
+             finals=None, dq, dk, part_qb, part_kb, dv, part_psi, part_d, d_angles, d_gamma,
+             d_trap_scale, d_adt, dstates, part_cs, part_carried) -> list:
     """raw_y_grads' three launches (the reverse scan, chunk_grads_qk, chunk_grads_v) into the
-    tensors of `buffers`."""
+    tensors of `buffers`. Packed sequences (bounds, d_ends) run in `segments` (packed.Segments;
+    d_ends then [n_segs, H, N, P]: zero but in each sequence's last segment) with their
+    gradients entering into finals [n_segs, H, N, P] fp32, joined by a fourth launch after the
+    reverse scan (chunk_state.join_launch)."""
     m = consts
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
@@ -458,14 +466,20 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
                   sqb=qs[0] // BA, skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
                   svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], n_bh=B * H, part_cs=part_cs,
                   part_carried=part_carried, HALF=N // 2, **common)
-    chains = B * H if bounds is None else (bounds.numel() - 1) * H
+    if segments is not None:
+        bounds = segments.bounds
+    chains = B * H if bounds is None else (bounds.numel() - 1) * B * H
     blocks = cdiv(N // 2, cfg.STATE_BJ) * cdiv(P, cfg.STATE_BP)
+    join = [] if segments is None else [chunk_state.join_launch(
+        states=dstates, finals=finals, da_cs=da_cs, segments=segments, consts=m, reverse=True)]
     return [
         Launch(state_grad_kernel, (chains, blocks), dict(
             q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, terms=terms, cos=cos,
             sin=sin, bounds=dstates if bounds is None else bounds,
             d_final=dstates if bounds is None else d_ends, VARLEN=bounds is not None,
+            finals=dstates if finals is None else finals, FINALS=segments is not None,
             n_bh=B * H, BJ=cfg.STATE_BJ, BP=cfg.STATE_BP, sqb=qs[0], **common), STATE_OPTIONS),
+        *join,
         Launch(chunk_grads_qk_kernel, (n_jb * B * G * nc,), dict(
             states=states, dq=dq, dk=dk, part_qb=part_qb, part_kb=part_kb, d_angles=d_angles,
             n_bg=B * G, G=G, BJ=cfg.BJ, BP=cfg.BP, **inputs),

@@ -161,20 +161,24 @@ def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
 def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep, init, bounds,
-                      S_pad, plane, nc, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs, svh, svp,
-                      R, N: tl.constexpr, P: tl.constexpr, C, U,
+                      finals, S_pad, plane, nc, n_bh, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs,
+                      svh, svp, R, N: tl.constexpr, P: tl.constexpr, C, U,
                       TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                       BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                       KEEP_FP32: tl.constexpr, SYNC: tl.constexpr, OPAQUE: tl.constexpr,
-                      HAS_INIT: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr):
+                      HAS_INIT: tl.constexpr, VARLEN: tl.constexpr, FINALS: tl.constexpr,
+                      PDL: tl.constexpr):
     """states[b, h, c + 1] = states[b, h, c] exp(da_cs[end of c]) + k_w^T psi_v of chunk c, the
     increment computed as chunk_increment_kernel does, for every chunk in order; states[0] = 0,
     or with HAS_INIT the given state entering the first chunk, init [B*H, N, P] fp32. VARLEN as
-    state_passing_kernel's (one program per (sequence, h, block)).
+    state_passing_kernel's (one program per (sequence, h, block)), or with B > 1 (segments of a
+    dense call) per (segment, b*h, block), bounds the same in every batch entry.
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
-    also goes to keep. skb and svb come divided by BA (kernels.input_align)."""
+    also goes to keep. FINALS (with VARLEN): the state after the chain's last chunk also goes
+    to finals [chains, N, P] fp32, the chains' rows as init's (segments of sequences,
+    packed.Segments). skb and svb come divided by BA (kernels.input_align)."""
     after_previous_kernel(PDL, START_NEXT=True)
-    bh, lo, n_ch, init_row = chain(tl.program_id(0), H, nc, bounds, VARLEN)
+    bh, lo, n_ch, init_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     b, h, j0, p, pm, t, r, rows = _block(bh, tl.program_id(1), n_jb, H, R, C, P, TP, RP, BJ, BP)
     tt = tl.arange(0, TP)
     row = bh * S_pad + lo * C  # the chain's first step
@@ -204,15 +208,20 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     if KEEP_FP32:
         tl.store(keep + off, run1, mask=m & (lo % U == 0))
         tl.store(keep + off + HALF * P, run2, mask=m & (lo % U == 0))
+    # the chunks whose increments are read: all but the last, whose state is not stored, unless
+    # FINALS stores the state after it
+    n_inc = n_ch - 1
+    if FINALS:
+        n_inc = n_ch
     # chunk 0's inputs; in the loop, chunk c + 2's are loaded before chunk c's math, so that the
     # serial loop waits for memory only when the math is shorter than a load
-    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, n_ch > 1,
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, n_inc > 0,
                                           p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     # chunk 0's increment, and chunk 1's inputs: in the loop, chunk c + 1's increment is computed
     # after chunk c's state is stored, so that the running state's update never waits for a dot
     inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
     kc, vc, cos_c, sin_c, w_c = kc + k_step, vc + v_step, cos_c + C * RD, sin_c + C * RD, w_c + C
-    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, n_ch > 2,
+    x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, n_inc > 1,
                                           p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
     # da_cs at the end of each chunk, one chunk ahead as well: loaded where it is used, this
     # scalar held up every step of the chain (18 % of the scan's stall samples)
@@ -222,7 +231,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         kc, vc = kc + k_step, vc + v_step
         cos_c, sin_c, w_c = cos_c + C * RD, sin_c + C * RD, w_c + C
         nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt,
-                                                    c + 3 < n_ch, p, pm, sks, skr, skn, svs, svp,
+                                                    c + 2 < n_inc, p, pm, sks, skr, skn, svs, svp,
                                                     j0, HALF, RD, BJ)
         # chunk c + 1's, within the chain since c + 2 <= n_ch
         next_log_decay = tl.load(da_cs + row + (c + 2) * C - 1)
@@ -240,13 +249,88 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
         log_decay = next_log_decay
+    if FINALS:  # the last chunk's update: its increment and decay are the loop's last
+        decay = tl.exp(log_decay)
+        fo = init_row * N * P + off
+        tl.store(finals + fo, run1 * decay + inc1, mask=m)
+        tl.store(finals + fo + HALF * P, run2 * decay + inc2, mask=m)
 
+
+@triton.jit(do_not_specialize=["S_pad", "slots"])
+def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_first, seg_last,
+                        S_pad, slots, n_bh, C, NP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, PDL: tl.constexpr):
+    """A serial pass over packed sequences run in segments (packed.Segments, B = 1), each from
+    zero, joined: the states (or their gradients, REVERSE) of the whole sequences.
+
+    Forward: for segment k, E_k, the state entering it, is chained over the sequence's segments
+    before it (E = init of the sequence, or zero; then E = E * exp(their decay) + the state
+    after them, finals [n_segs * H, N, P]), and states[c] += exp(the decay of the segment's
+    chunks before c) * E_k for each of its chunks c. REVERSE: the gradient of the state
+    leaving segment k, G_k, is chained over the segments after it, from the sequence's last
+    (whose walk started from the sequence's final-state gradient: G = their gradient entering,
+    finals, + exp(their decay) * G), and states[c] += exp(the decay of chunks c .. the
+    segment's last) * G_k. states: [H, slots, N, P] fp32 (slots: nc, or nc + 1 for the
+    gradients). One program per (segment, h, slice of BLOCK state elements); the chunks of a
+    segment are independent here, so the loop waits for memory about once, not per chunk."""
+    after_previous_kernel(PDL, START_NEXT=True)
+    k = tl.program_id(0) // n_bh
+    bh = tl.cast(tl.program_id(0) % n_bh, tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = e < NP_SIZE
+    ends = da_cs + bh * S_pad + C - 1  # + c * C: da_cs at the end of chunk c
+    row = states + bh * slots * NP_SIZE + e
+    lo = tl.load(seg_bounds + k)
+    n = tl.load(seg_bounds + k + 1) - lo
+    if REVERSE:
+        last = tl.load(seg_last + k)
+        carried = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(0, last - k):
+            j = last - i
+            decay = 0.0
+            for c in range(tl.load(seg_bounds + j), tl.load(seg_bounds + j + 1)):
+                decay += tl.load(ends + c * C)
+            entering = tl.load(finals + (tl.cast(j, tl.int64) * n_bh + bh) * NP_SIZE + e,
+                               mask=m, other=0.0)
+            carried = entering + tl.exp(decay) * carried
+        if k < last:
+            weight = 1.0
+            for i in range(0, n):
+                c = lo + n - 1 - i
+                weight = weight * tl.exp(tl.load(ends + c * C))
+                at = tl.cast(c, tl.int64) * NP_SIZE
+                tl.store(row + at, tl.load(row + at, mask=m) + weight * carried, mask=m)
+    else:
+        first = tl.load(seg_first + k)
+        if HAS_INIT:
+            seq = tl.cast(tl.load(seg_seq + k), tl.int64)
+            carried = tl.load(init + (seq * n_bh + bh) * NP_SIZE + e, mask=m, other=0.0)
+        else:
+            carried = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in range(first, k):
+            decay = 0.0
+            for c in range(tl.load(seg_bounds + j), tl.load(seg_bounds + j + 1)):
+                decay += tl.load(ends + c * C)
+            final = tl.load(finals + (tl.cast(j, tl.int64) * n_bh + bh) * NP_SIZE + e, mask=m,
+                            other=0.0)
+            carried = carried * tl.exp(decay) + final
+        # without an initial state, a sequence's first segment is right as it is (from zero)
+        todo = k > first
+        if HAS_INIT:
+            todo = k >= first
+        if todo:
+            weight = 1.0
+            for i in range(0, n):
+                at = tl.cast(lo + i, tl.int64) * NP_SIZE
+                tl.store(row + at, tl.load(row + at, mask=m) + weight * carried, mask=m)
+                weight = weight * tl.exp(tl.load(ends + (lo + i) * C))
 
 def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
              da_cs: torch.Tensor, terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              states: torch.Tensor, inc: torch.Tensor, consts, cfg,
              init: Optional[torch.Tensor] = None,
-             bounds: Optional[torch.Tensor] = None) -> list:
+             bounds: Optional[torch.Tensor] = None,
+             finals: Optional[torch.Tensor] = None) -> list:
     """The launches that write states [B, H, nc, N, P] from k [B, S_pad, R, G, N], v
     [B, S_pad, H, P], k_bias [H, R, N], mimo_v [H, R, P], da_cs [B, H, S_pad] and step_terms'
     terms, cos, sin. `inc` is fp32 of the states' shape, or `states` itself for fp32 outputs,
@@ -256,7 +340,8 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
     contiguous, or None for zero. bounds (packed sequences, B = 1, init then [n_seq, H, N, P]
     or None): int32 [n_seq + 1], sequence j covering chunks bounds[j] .. bounds[j + 1] - 1 and
     starting from init[j] or zero; the state pass then runs one program per (sequence, head,
-    block).
+    block). finals (with bounds, the fused scan only): [chains, H, N, P] fp32, receives the
+    state after each chain's last chunk (segments of sequences, `join_launch`).
 
     cfg (configs.StateConfig): scan picks the fused state_scan_kernel over chunk_increment with
     state_passing, which use `inc` as their fp32 scratch. The first launch is the one whose
@@ -278,11 +363,14 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
     stand = placeholder(k.device)
     first = dict(init=stand if init is None else init, HAS_INIT=init is not None,
                  bounds=stand if bounds is None else bounds, VARLEN=bounds is not None)
-    chains = B * H if bounds is None else (bounds.numel() - 1) * H
+    if finals is not None and not (cfg.scan and bounds is not None):
+        raise ValueError("finals: the fused scan over chains (cfg.scan, bounds given) only")
+    chains = B * H if bounds is None else (bounds.numel() - 1) * B * H
     if cfg.scan:
         return [Launch(state_scan_kernel, (chains, p_blocks), dict(
-            common, da_cs=da_cs, states=states, keep=inc, U=m.U, KEEP_FP32=keep_fp32,
-            SYNC=m.SCAN_SYNC, OPAQUE=m.OPAQUE, **first),
+            common, da_cs=da_cs, states=states, keep=inc, U=m.U, KEEP_FP32=keep_fp32, n_bh=B * H,
+            SYNC=m.SCAN_SYNC, OPAQUE=m.OPAQUE, finals=stand if finals is None else finals,
+            FINALS=finals is not None, **first),
             dict(num_warps=cfg.num_warps, num_stages=1, **dependent_launch(m)))]
     return [Launch(chunk_increment_kernel, (B * H * max(m.nc - 1, 0), p_blocks),
                    dict(common, inc=inc, n_bh=B * H),
@@ -292,3 +380,26 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
                 n_bh=B * H, NP_SIZE=N * P, BLOCK=cfg.BLOCK, DEPTH=cfg.DEPTH,
                 KEEP_FP32=keep_fp32, PDL=m.PDL, **first),
                 dict(num_warps=4, **dependent_launch(m)))]
+
+
+# the join's slice of a state per program
+JOIN_BLOCK = 1024
+
+
+def join_launch(*, states: torch.Tensor, finals: torch.Tensor, da_cs: torch.Tensor,
+                segments, consts, init: Optional[torch.Tensor] = None,
+                reverse: bool = False) -> Launch:
+    """segment_join_kernel's launch, for a serial pass run over `segments` (packed.Segments)
+    from zero, with `finals` [n_segs, B, H, N, P] fp32 from it: states [B, H, nc, N, P] fp32
+    made the states of the whole sequences, each from init ([n_seq, H, N, P] packed, B = 1;
+    [B, H, N, P] dense) fp32 or zero; with `reverse`, dstates [B, H, nc + 1, N, P] the
+    gradients of the whole sequences (the reverse scan's)."""
+    m = consts
+    NP = m.N * m.P
+    n_bh = m.B * m.H
+    return Launch(segment_join_kernel, (segments.n_segs * n_bh, cdiv(NP, JOIN_BLOCK)), dict(
+        states=states, finals=finals, init=placeholder(states.device) if init is None else init,
+        da_cs=da_cs, seg_bounds=segments.bounds, seg_seq=segments.seq, seg_first=segments.first,
+        seg_last=segments.last, S_pad=m.S_pad, slots=states.shape[2], n_bh=n_bh, C=m.C, NP_SIZE=NP,
+        BLOCK=JOIN_BLOCK, HAS_INIT=init is not None, REVERSE=reverse, PDL=m.PDL),
+        dict(num_warps=4, **dependent_launch(m)))

@@ -202,6 +202,12 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
     env["step_bounds"] = env["chunk_bounds"] = None
     if pk is not None:
         env["step_bounds"], env["chunk_bounds"] = pk.step_bounds, pk.chunk_bounds
+    # the serial passes' chains: longer sequences in segments (packed.segments)
+    seg = env["segments"] = (packed.segments((m.nc,), B, pb.device) if pk is None else
+                             pk.segments)
+    if seg is not None:  # the tensors bound by name in the plans
+        env.update(seg_bounds=seg.bounds, seg_seq=seg.seq, seg_first=seg.first,
+                   seg_last=seg.last, finals=torch.empty(seg.n_segs, B, H, pb.N, pb.P, **f32))
     env["m"] = m
     return env
 
@@ -227,8 +233,15 @@ def prepare_launches(pb: Problem, env: dict) -> list:
     cfg = resources.choose(("operator_state", kpb.N, kpb.P, kpb.R, m.C, kpb.RD, pb.dtype),
                            configs.state_candidates(kpb),
                            lambda cfg: chunk_state.launches(**state_args, cfg=cfg)[0], pb.device)
-    return launches + chunk_state.launches(**state_args, cfg=cfg, init=env["init"],
-                                           bounds=env["chunk_bounds"])
+    seg = env["segments"]
+    if seg is None or not cfg.scan:
+        return launches + chunk_state.launches(**state_args, cfg=cfg, init=env["init"],
+                                               bounds=env["chunk_bounds"])
+    # sequences longer than the segments: the scan over the segments from zero, then joined
+    return launches + chunk_state.launches(**state_args, cfg=cfg, bounds=seg.bounds,
+                                           finals=env["finals"]) + [
+        chunk_state.join_launch(states=env["states"], finals=env["finals"], da_cs=env["da_cs"],
+                                segments=seg, init=env["init"], consts=m)]
 
 
 # Call plans of the operator's launch groups (runtime/plans.py), per (group, the Problem in the
@@ -597,13 +610,19 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
                 x["norm_weight"].shape)
         del part_w
     g = chunk_grads.buffers(m, dev, d_final)
+    seg = env["segments"]
+    if seg is not None:  # the reverse scan over the segments: each sequence's d_end in its last
+        src = (d_ends if pk is not None else torch.zeros(1, B, H, N, P, **f32)
+               if d_final is None else d_final.reshape(1, B, H, N, P))
+        d_ends = src.new_zeros(seg.n_segs, *src.shape[1:]).index_copy_(0, seg.ends, src)
     env.update(g, d_ends=d_ends)
     launch_all(plan_key("phase_2", lpb, x, env), env, lambda: chunk_grads.launches(
         q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
         mimo_v=env["MIMO_V"], d=placeholder(dev) if env["D"] is None else env["D"],
         terms=env["terms"], cos=env["cos"], sin=env["sin"], da_cs=env["da_cs"],
         da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env["dy"], states=env["states"],
-        consts=m, precision=m.PREC, bounds=env["chunk_bounds"], d_ends=d_ends, **g), dev)
+        consts=m, precision=m.PREC, bounds=env["chunk_bounds"], d_ends=d_ends, segments=seg,
+        finals=env.get("finals"), **g), dev)
     # the largest buffers (the states, their gradients and dy: 640 MiB at N128_P64_R4_C16) are
     # dropped here, before the reductions and casts below allocate the inputs' gradients; of
     # the states' gradients only those entering each sequence's first chunk are kept

@@ -8,13 +8,42 @@ the sequences run side by side rather than one after another.
 Here: the layout's index tables, and the gathers and scatters between the two layouts."""
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 Tensor = torch.Tensor
+
+
+# The serial passes (the state pass, the reverse scan) run no chain longer than this many chunks,
+# or than the chunks per chain when they make TARGET_CHAINS chains per head, whichever is
+# longer (the official grid's 4 batch entries make 4): longer sequences run in segments side by
+# side, joined afterwards (Segments).
+MIN_SEGMENT_CHUNKS = 16
+TARGET_CHAINS = 4
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The sequences of a call cut into segments of at most `length` chunks, for the serial
+    passes (packed sequences; or a dense call's chunks, the same segments in every batch entry,
+    seq all 0): segment k covers chunks bounds[k] .. bounds[k + 1] - 1 (int32
+    [n_segs + 1]) of sequence seq[k]; first[k] and last[k] are the indices of that sequence's
+    first and last segments (int32 [n_segs]); ends[j] is sequence j's last segment (int64
+    [n_seq]). Each segment runs from a zero state (a zero
+    final-state gradient, but the last); the state entering it (the gradient leaving it) is
+    then chained over the segments before (after) it and added back
+    (chunk_state.segment_join_kernel)."""
+    n_segs: int
+    length: int
+    bounds: Tensor
+    seq: Tensor
+    first: Tensor
+    last: Tensor
+    ends: Tensor
 
 
 @dataclass(frozen=True)
@@ -36,6 +65,7 @@ class Packing:
     pad_chunks: Tensor
     chunk_bounds: Tensor
     step_bounds: Tensor
+    segments: Optional[Segments]
 
 
 # The boundaries read from the last few cu_seqlens tensors, and the layouts built from the last
@@ -106,7 +136,32 @@ def _packing(cu: List[int], C: int, device: torch.device) -> Packing:
                 pad_chunks=bounds[1:] - 1, chunk_bounds=bounds.to(torch.int32),
                 step_bounds=(bounds * C).to(torch.int32))
     return Packing(n_seq=len(cu) - 1, C=C, S_pack=int(bounds[-1]) * C,
+                   segments=segments(tuple(chunks.tolist()), 1, device),
                    **{k: v.to(device) for k, v in host.items()})
+
+
+@functools.lru_cache(maxsize=64)
+def segments(chunks: Tuple[int, ...], B: int, device: torch.device) -> Optional[Segments]:
+    """Segments of the sequences of `chunks` chunks each (a packed call's, pad chunks included;
+    or a dense call's one, in each of its B batch entries), or None where no sequence is longer
+    than the segment length: then the sequences are the chains."""
+    per_chain = -(-B * sum(chunks) // max(B * len(chunks), TARGET_CHAINS))
+    length = max(MIN_SEGMENT_CHUNKS, per_chain)
+    if max(chunks) <= length:
+        return None
+    bounds, seq, first, last = [0], [], [], []
+    for j, n in enumerate(chunks):
+        parts = -(-n // length)
+        first += [len(seq)] * parts
+        last += [len(seq) + parts - 1] * parts
+        seq += [j] * parts
+        # near-equal parts: the first n % parts one chunk longer
+        for i in range(parts):
+            bounds.append(bounds[-1] + n // parts + (i < n % parts))
+    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)
+    return Segments(n_segs=len(seq), length=length, bounds=as_i32(bounds), seq=as_i32(seq),
+                    first=as_i32(first), last=as_i32(last),
+                    ends=torch.tensor(sorted(set(last)), dtype=torch.int64, device=device))
 
 
 def pack(x: Tensor, dim: int, pk: Packing) -> Tensor:
