@@ -42,7 +42,8 @@ from mamba3_mimo.runtime.device import interpreter_active
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 CUOBJDUMP = os.path.join(BIN, "cuobjdump")
-_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+       torch.int64: "i64"}
 DIMS = ("B", "S", "H", "G", "N", "P", "R", "C")
 
 
