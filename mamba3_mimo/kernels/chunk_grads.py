@@ -49,9 +49,10 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_
     in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32. VARLEN (packed
     sequences, B = 1): one (sequence j, h) per program over chunks bounds[j] .. bounds[j + 1] - 1
     (bounds int32 [n_seq + 1]), from the last, starting from the sequence's final-state gradient
-    d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side. FINALS (with VARLEN):
-    the gradient entering each chain's first chunk also goes to finals, rows as d_final's
-    (segments of sequences, packed.Segments)."""
+    d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side (with B > 1, segments of
+    a dense call: per (segment, b*h), bounds the same in every batch entry). FINALS (with
+    VARLEN): the gradient entering each chain's first chunk also goes to finals, rows as
+    d_final's (chains that are segments, packed.Segments)."""
     bh, lo, n_ch, seq_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     b, h = bh // H, bh % H
     HALF = N // 2
@@ -447,9 +448,10 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
              finals=None, dq, dk, part_qb, part_kb, dv, part_psi, part_d, d_angles, d_gamma,
              d_trap_scale, d_adt, dstates, part_cs, part_carried) -> list:
     """raw_y_grads' three launches (the reverse scan, chunk_grads_qk, chunk_grads_v) into the
-    tensors of `buffers`. Packed sequences (bounds, d_ends) run in `segments` (packed.Segments;
-    d_ends then [n_segs, H, N, P]: zero but in each sequence's last segment) with their
-    gradients entering into finals [n_segs, H, N, P] fp32, joined by a fourth launch after the
+    tensors of `buffers`. Packed sequences give bounds and d_ends. Chains cut in `segments`
+    (packed.Segments: long packed sequences, or a dense call's chunks at B < 4) take d_ends
+    [n_segs, B, H, N, P] (zero but in each sequence's last segment) and write the gradients
+    entering them into finals of the same shape (fp32), joined by a fourth launch after the
     reverse scan (chunk_state.join_launch)."""
     m = consts
     B, S_pad, R, G, N = q.shape

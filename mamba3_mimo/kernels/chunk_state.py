@@ -175,7 +175,7 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     dense call) per (segment, b*h, block), bounds the same in every batch entry.
     With KEEP_FP32 the fp32 state of every chunk that starts a chunk_output tile (c % U == 0)
     also goes to keep. FINALS (with VARLEN): the state after the chain's last chunk also goes
-    to finals [chains, N, P] fp32, the chains' rows as init's (segments of sequences,
+    to finals [chains, N, P] fp32, the chains' rows as init's (chains that are segments,
     packed.Segments). skb and svb come divided by BA (kernels.input_align)."""
     after_previous_kernel(PDL, START_NEXT=True)
     bh, lo, n_ch, init_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
@@ -260,8 +260,9 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
 def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_first, seg_last,
                         S_pad, slots, n_bh, C, NP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, PDL: tl.constexpr):
-    """A serial pass over packed sequences run in segments (packed.Segments, B = 1), each from
-    zero, joined: the states (or their gradients, REVERSE) of the whole sequences.
+    """A serial pass run in segments (packed.Segments: long packed sequences, or a dense call's
+    chunks at B < 4, the same segments in every batch entry), each from zero, joined: the
+    states (or their gradients, REVERSE) of the whole sequences.
 
     Forward: for segment k, E_k, the state entering it, is chained over the sequence's segments
     before it (E = init of the sequence, or zero; then E = E * exp(their decay) + the state
@@ -337,11 +338,12 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
     or a one-element stand-in where consts.OUT_STATES lets chunk_output read `states` and the
     scan runs (never written then); otherwise it ends holding the fp32 states of the chunks
     that start an output tile. init: the state entering the first chunk [B, H, N, P] fp32
-    contiguous, or None for zero. bounds (packed sequences, B = 1, init then [n_seq, H, N, P]
-    or None): int32 [n_seq + 1], sequence j covering chunks bounds[j] .. bounds[j + 1] - 1 and
-    starting from init[j] or zero; the state pass then runs one program per (sequence, head,
-    block). finals (with bounds, the fused scan only): [chains, H, N, P] fp32, receives the
-    state after each chain's last chunk (segments of sequences, `join_launch`).
+    contiguous, or None for zero. bounds: int32 [n_chains + 1], chain j covering chunks
+    bounds[j] .. bounds[j + 1] - 1 of every batch entry and starting from init[j] (packed
+    sequences, B = 1: init then [n_seq, H, N, P] or None) or zero (segments); the state pass
+    then runs one program per (chain, b*h, block). finals (with bounds, the fused scan only):
+    [n_chains, B, H, N, P] fp32, receives the state after each chain's last chunk (chains that
+    are segments, packed.Segments, joined by `join_launch`).
 
     cfg (configs.StateConfig): scan picks the fused state_scan_kernel over chunk_increment with
     state_passing, which use `inc` as their fp32 scratch. The first launch is the one whose

@@ -377,9 +377,10 @@ def store_rank_sums(o_ptr, z_ptr, acc_o, acc_z, R, p, p_mask, P, RS: tl.constexp
 def chain(pid, n_bh, nc, bounds, VARLEN: tl.constexpr):
     """(b*h, first chunk, number of chunks, row in a per-chain table such as the initial
     states) of a program of a serial pass over the chunks (the state pass, the reverse scan):
-    one (b*h) over all nc chunks, or with VARLEN (packed sequences, B = 1) one (sequence j, h)
-    over chunks bounds[j] .. bounds[j + 1] - 1, so that each sequence starts afresh from its
-    own row and the sequences run side by side."""
+    one (b*h) over all nc chunks, or with VARLEN one (chain j, b*h) over chunks bounds[j] ..
+    bounds[j + 1] - 1 (packed sequences at B = 1, or segments, packed.Segments, the same in
+    every batch entry), so that each chain starts afresh from its own row and the chains run
+    side by side."""
     if VARLEN:
         seq = pid // n_bh
         bh = (pid % n_bh).to(tl.int64)

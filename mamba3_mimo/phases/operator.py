@@ -612,8 +612,12 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     g = chunk_grads.buffers(m, dev, d_final)
     seg = env["segments"]
     if seg is not None:  # the reverse scan over the segments: each sequence's d_end in its last
-        src = (d_ends if pk is not None else torch.zeros(1, B, H, N, P, **f32)
-               if d_final is None else d_final.reshape(1, B, H, N, P))
+        if pk is not None:
+            src = d_ends
+        elif d_final is not None:
+            src = d_final.reshape(1, B, H, N, P)
+        else:
+            src = torch.zeros(1, B, H, N, P, **f32)
         d_ends = src.new_zeros(seg.n_segs, *src.shape[1:]).index_copy_(0, seg.ends, src)
     env.update(g, d_ends=d_ends)
     launch_all(plan_key("phase_2", lpb, x, env), env, lambda: chunk_grads.launches(
