@@ -175,9 +175,9 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
 
 
 # Launch options, measured on the H200 (2026-12-03, forward+backward,
-# docs/performance-operator.md): 4 warps and one stage (8 warps took 1.1-2.5x as long); blocks of 32 pairs
-# of N at P <= 64 (N128_P64_R4_C16: 1.37 ms for both calls, 16 pairs 1.54) and 16 above
-# (N64_P128_R4_C16: 2.03 ms, 32 pairs 2.84).
+# docs/performance-operator.md): 4 warps and one stage (8 warps took 1.1-2.5x as long); blocks
+# of 32 pairs of N at P <= 64 (N128_P64_R4_C16: 1.37 ms for both calls, 16 pairs 1.54) and 16
+# above (N64_P128_R4_C16: 2.03 ms, 32 pairs 2.84).
 OPTIONS = dict(num_warps=4, num_stages=1)
 
 

@@ -161,8 +161,8 @@ def state_passing_kernel(inc, da_cs, states, init, bounds, S_pad, nc, C, U, n_bh
 
 @triton.jit(do_not_specialize=["S_pad", "plane", "nc", "skb", "svb"])
 def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep, init, bounds,
-                      finals, S_pad, plane, nc, n_bh, H, HG, n_jb, skb, sks, skr, skg, skn, svb, svs,
-                      svh, svp, R, N: tl.constexpr, P: tl.constexpr, C, U,
+                      finals, S_pad, plane, nc, n_bh, H, HG, n_jb, skb, sks, skr, skg, skn, svb,
+                      svs, svh, svp, R, N: tl.constexpr, P: tl.constexpr, C, U,
                       TP: tl.constexpr, RP: tl.constexpr, HALF: tl.constexpr, RD: tl.constexpr,
                       BJ: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                       KEEP_FP32: tl.constexpr, SYNC: tl.constexpr, OPAQUE: tl.constexpr,
@@ -325,6 +325,7 @@ def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_fi
                 at = tl.cast(lo + i, tl.int64) * NP_SIZE
                 tl.store(row + at, tl.load(row + at, mask=m) + weight * carried, mask=m)
                 weight = weight * tl.exp(tl.load(ends + (lo + i) * C))
+
 
 def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
              da_cs: torch.Tensor, terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
