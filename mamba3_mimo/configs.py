@@ -89,9 +89,9 @@ class Overrides:
     """What `override` may replace: the candidate lists of the state pass and chunk_output
     (each tried in order until one fits the shared memory), the chunks per output tile, the
     scan's dot form, whether the device counts as one the configs were measured on, the
-    shared memory per block assumed of every device, and whether the kernels launch as
+    shared memory per block assumed of every device, whether the kernels launch as
     programmatic dependent launches (on where the device lacks them, a launch fails: for offline
-    compiles and A/B runs)."""
+    compiles and A/B runs), and the batch entries per group of the operator's backward."""
     state: Optional[Tuple[StateConfig, ...]] = None
     output: Optional[Tuple[OutputConfig, ...]] = None
     tile_chunks: Optional[int] = None
@@ -99,6 +99,7 @@ class Overrides:
     measured_arch: Optional[bool] = None
     smem_limit: Optional[int] = None
     dependent_launches: Optional[bool] = None
+    backward_group: Optional[int] = None
 
 
 _active = Overrides()
@@ -381,6 +382,26 @@ def output_candidates(pb: Problem) -> List[OutputConfig]:
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+# ---------------------------------------------------------------------------- the backward's groups
+
+# The operator's backward holds, for each batch entry it works on, three fp32 buffers that grow
+# with the sequence: the states entering each chunk, their gradients and dy = d raw_y (160 MiB
+# per entry at N128_P64_R4_C16). It runs the entries in groups whose three buffers take at most
+# this many bytes (one entry at a time where one entry's take more), a group's buffers released
+# before the next group's are allocated; the official grid runs one entry at a time
+# (docs/performance-operator.md, "Peak memory").
+BACKWARD_GROUP_BYTES = 64 << 20
+
+
+def backward_group(B: int, entry_bytes: int) -> int:
+    """The batch entries per group of the operator's backward, for B entries whose three largest
+    buffers take entry_bytes each."""
+    group = _active.backward_group
+    if group is None:
+        group = BACKWARD_GROUP_BYTES // max(entry_bytes, 1)
+    return max(1, min(B, group))
 
 
 # ---------------------------------------------------------------------------- the choice

@@ -494,13 +494,14 @@ class _LiveBytes(TorchDispatchMode):
 
 def test_backward_peak_is_phase_2(monkeypatch):
     """The backward releases the states, their gradients and dy (the largest buffers) as soon
-    as phase 2 is done: nothing it allocates afterwards (the reductions, the casts of the
-    inputs' gradients) raises the memory in use above the high-water mark of phase 2 and what
-    came before it. The kernels are not run (the buffers' lifetimes are the host's; the
-    interpreter's launches hold their arguments in reference cycles until a collection)."""
+    as phase 2 is done: nothing it allocates afterwards (the reductions, the angles' backward,
+    the casts of the inputs' gradients) raises the memory in use above the high-water mark of
+    the last group's phase 2 and what came before it. The kernels are not run (the buffers'
+    lifetimes are the host's; the interpreter's launches hold their arguments in reference
+    cycles until a collection)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
-    from mamba3_mimo.kernels import chunk_grads
+    from mamba3_mimo.phases import operator
     from mamba3_mimo.runtime import launcher
     for cls in (JITFunction, InterpretedFunction):
         # launches do nothing; a warmup (the configs' shared-memory probe on a GPU) still compiles
@@ -508,21 +509,23 @@ def test_backward_peak_is_phase_2(monkeypatch):
             return _run(self, *args, warmup=True, **kwargs) if warmup else None
         monkeypatch.setattr(cls, "run", run)
     monkeypatch.setattr(launcher, "DIRECT", False)  # every launch through run
-    args = make_args(B=1, S=32, H=2, G=1, R=2, N=64, P=64, chunk_size=8)  # N, P as official
+    args = make_args(B=2, S=32, H=2, G=1, R=2, N=64, P=64, chunk_size=8)  # N, P as official
     ours, _ = _leaves(args, torch.float32, DEVICE, None)
     leaves = [t for t in ours.values() if isinstance(t, torch.Tensor)]
-    at_phase_2 = []
-    buffers = chunk_grads.buffers
+    after_phase_2 = []
+    group_grads = operator._group_grads
 
-    def spy(*args, **kw):  # phase 2's buffers allocated: its high-water mark
-        out = buffers(*args, **kw)
-        at_phase_2.append(live.peak)
+    def spy(*args, **kw):  # a group's phase 2 done: the high-water mark so far
+        out = group_grads(*args, **kw)
+        after_phase_2.append(live.peak)
         return out
 
-    monkeypatch.setattr(chunk_grads, "buffers", spy)
-    live = _LiveBytes(known=leaves)
-    with live:
-        out = mamba3_mimo(**ours)
-        out.backward(torch.ones_like(out))
-    assert len(at_phase_2) == 1
-    assert live.peak <= at_phase_2[0], (live.peak, at_phase_2[0])
+    monkeypatch.setattr(operator, "_group_grads", spy)
+    for group in (2, 1):
+        after_phase_2.clear()
+        live = _LiveBytes(known=leaves)
+        with configs.override(backward_group=group), live:
+            out = mamba3_mimo(**ours)
+            out.backward(torch.ones_like(out))
+        assert len(after_phase_2) == 2 // group
+        assert live.peak <= after_phase_2[-1], (group, live.peak, after_phase_2[-1])

@@ -236,10 +236,10 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         sum_k2 += _bias_share(part_kb, bias_at + HALF, cs * dk2 - sn * dk1, bm)
     hm = ((t < C) & (r < R))[:, None] & (j < HALF)[None, :]
     off = n_off[:, None] + j[None, :]
-    tl.store(dq + off, sum_q1, mask=hm)
-    tl.store(dq + off + HALF, sum_q2, mask=hm)
-    tl.store(dk + off, sum_k1, mask=hm)
-    tl.store(dk + off + HALF, sum_k2, mask=hm)
+    tl.store(dq + off, sum_q1.to(dq.dtype.element_ty), mask=hm)
+    tl.store(dq + off + HALF, sum_q2.to(dq.dtype.element_ty), mask=hm)
+    tl.store(dk + off, sum_k1.to(dk.dtype.element_ty), mask=hm)
+    tl.store(dk + off + HALF, sum_k2.to(dk.dtype.element_ty), mask=hm)
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
@@ -298,7 +298,8 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
         xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
                      mask=steps[:, None] & pm[None, :], other=0.0).to(tl.float32)
         dpv3 = tl.reshape(dpv, (TP, RP, BP))
-        tl.store(dv + v_base + ts[:, None] * H * P + p[None, :], tl.sum(dpv3 * mv[None], axis=1),
+        tl.store(dv + v_base + ts[:, None] * H * P + p[None, :],
+                 tl.sum(dpv3 * mv[None], axis=1).to(dv.dtype.element_ty),
                  mask=steps[:, None] & pm[None, :])
         tl.store(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
                  tl.sum(dpv3 * xv[:, None, :], axis=0), mask=(rk < R)[:, None] & pm[None, :])
@@ -415,11 +416,39 @@ def _blocks(consts, device) -> Tuple[GradsConfig, int]:
 
 
 def buffers(consts, device, d_final_state=None) -> dict:
-    """The outputs of `launches` (raw_y_grads' dict) and their scratch, allocated; dstates'
-    last entry holds d_final_state [B, H, N, P] (zero when None), which the reverse scan reads
-    and does not write."""
+    """The outputs of `launches` (raw_y_grads' dict) and their scratch, allocated: step_buffers'
+    and chunk_buffers'."""
+    return dict(step_buffers(consts, device), **chunk_buffers(consts, device, d_final_state))
+
+
+def step_buffers(consts, device, dq_dtype: torch.dtype = torch.float32,
+                 dk_dtype: torch.dtype = torch.float32,
+                 dv_dtype: torch.dtype = torch.float32) -> dict:
+    """The outputs of `launches` with a step axis, allocated: dq, dk [B, S_pad, R, G, N] and dv
+    [B, S_pad, H, P] in the dtypes given (the kernels round each element once), d_angles
+    [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad] fp32. Each batch entry's rows
+    are written by the launches of that entry alone, so that a call may run on views of a group
+    of batch entries."""
     m = consts
-    B, S_pad, R, G, N, H, P, nc = m.B, m.S_pad, m.R, m.G, m.N, m.H, m.P, m.nc
+    B, S_pad, R, G, N, H, P = m.B, m.S_pad, m.R, m.G, m.N, m.H, m.P
+    f32 = dict(device=device, dtype=torch.float32)
+    return dict(dq=torch.empty(B, S_pad, R, G, N, device=device, dtype=dq_dtype),
+                dk=torch.empty(B, S_pad, R, G, N, device=device, dtype=dk_dtype),
+                dv=torch.empty(B, S_pad, H, P, device=device, dtype=dv_dtype),
+                d_angles=torch.empty(B, S_pad, H, m.RD, **f32),
+                d_gamma=torch.empty(B, H, S_pad, **f32),
+                d_trap_scale=torch.empty(B, H, S_pad, **f32),
+                d_adt=torch.empty(B, H, S_pad, **f32))
+
+
+def chunk_buffers(consts, device, d_final_state=None) -> dict:
+    """The per-chunk outputs of `launches` and their scratch, allocated: the shares of the bias
+    gradients part_qb, part_kb [B, nc, H, R, N], of dPsi (part_psi [B*H, nc, R, P]) and dD
+    (part_d [B*H, nc]), dstates [B, H, nc + 1, N, P] whose last entry holds d_final_state
+    [B, H, N, P] (zero when None), which the reverse scan reads and does not write, and
+    chunk_grads_qk's shares for chunk_grads_v; fp32."""
+    m = consts
+    B, R, N, H, P, nc = m.B, m.R, m.N, m.H, m.P, m.nc
     f32 = dict(device=device, dtype=torch.float32)
     n_jb = _blocks(m, device)[1]
     # the reverse scan writes every entry but the last: filling the whole tensor took 0.23 ms at
@@ -429,17 +458,11 @@ def buffers(consts, device, d_final_state=None) -> dict:
         dstates[:, :, nc].zero_()
     else:
         dstates[:, :, nc] = d_final_state
-    return dict(dq=torch.empty(B, S_pad, R, G, N, **f32), dk=torch.empty(B, S_pad, R, G, N, **f32),
-                part_qb=torch.empty(B, nc, H, R, N, **f32),
+    return dict(part_qb=torch.empty(B, nc, H, R, N, **f32),
                 part_kb=torch.empty(B, nc, H, R, N, **f32),
-                dv=torch.empty(B, S_pad, H, P, **f32), part_psi=torch.empty(B * H, nc, R, P, **f32),
-                part_d=torch.empty(B * H, nc, **f32),
-                d_angles=torch.empty(B, S_pad, H, m.RD, **f32),
-                d_gamma=torch.empty(B, H, S_pad, **f32),
-                d_trap_scale=torch.empty(B, H, S_pad, **f32),
-                d_adt=torch.empty(B, H, S_pad, **f32), dstates=dstates,
-                # chunk_grads_qk's per-block shares for chunk_grads_v
-                part_cs=torch.empty(n_jb, B * H, S_pad, **f32),
+                part_psi=torch.empty(B * H, nc, R, P, **f32),
+                part_d=torch.empty(B * H, nc, **f32), dstates=dstates,
+                part_cs=torch.empty(n_jb, B * H, m.S_pad, **f32),
                 part_carried=torch.empty(n_jb, B * H, nc, **f32))
 
 

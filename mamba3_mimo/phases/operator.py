@@ -166,14 +166,22 @@ configs.register_cache(kernel_constants.cache_clear)
 
 
 def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
-    """The kernels' view of a call in its layout, by name: the sequence inputs padded to whole
-    chunks and made contiguous where a kernel needs it, the small inputs contiguous, and the
-    buffers that `prepare_launches` writes (the running angles, the decay pieces, step_terms'
-    tables, the states entering each chunk), with the kernels' constants `m`
-    (kernel_constants). A packed call (pk) adds its chunk and step boundaries."""
-    m = kernel_constants(pb)
-    S_pad, B, H, S = m.S_pad, pb.B, pb.H, pb.S
-    f32 = dict(device=pb.device, dtype=torch.float32)
+    """The kernels' view of a call in its layout, by name: kernel_inputs' and
+    prepared_buffers'."""
+    return dict(kernel_inputs(pb, x, pk), **prepared_buffers(pb, pk))
+
+
+# kernel_inputs' tensors with a batch axis (the first), which a group of batch entries takes
+# rows of
+_BATCH_INPUTS = ("Q", "K", "V", "Z", "DT", "Trap", "ADT", "angle0", "Angles", "init")
+
+
+def kernel_inputs(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
+    """The inputs of a call in its layout as the kernels read them, by name: the sequence
+    inputs padded to whole chunks and made contiguous where a kernel needs it, the small inputs
+    contiguous, the state entering the first chunk ("init", or None); a packed call (pk) adds
+    its chunk and step boundaries."""
+    S_pad = kernel_constants(pb).S_pad
     env = {name: _pad_steps(x[name], 1, S_pad) for name in ("Q", "K", "V", "Z")}
     # chunk_output reads V, dout and z with one set of strides; chunk_forward reads z contiguous
     env["V"] = env["V"].contiguous()
@@ -186,7 +194,22 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
         env[name] = None if x[name] is None else x[name].contiguous()
     # angle_sum reads Angles with its strides (flash-linear-attention's are 0 over the heads)
     env["Angles"] = x["Angles"]
-    env["angles"] = torch.empty(B, S_pad, H, m.RD, **f32)
+    env["init"] = _entering_state(x, pk)
+    env["step_bounds"] = env["chunk_bounds"] = None
+    if pk is not None:
+        env["step_bounds"], env["chunk_bounds"] = pk.step_bounds, pk.chunk_bounds
+    return env
+
+
+def prepared_buffers(pb: Problem, pk: Optional[Packing] = None) -> dict:
+    """The buffers that `prepare_launches` writes (the running angles, the decay pieces,
+    step_terms' tables, the states entering each chunk, and where the serial passes run in
+    segments their segments' tables and final states), by name, with the kernels' constants
+    `m` (kernel_constants)."""
+    m = kernel_constants(pb)
+    S_pad, B, H, S = m.S_pad, pb.B, pb.H, pb.S
+    f32 = dict(device=pb.device, dtype=torch.float32)
+    env = dict(m=m, angles=torch.empty(B, S_pad, H, m.RD, **f32))
     env["angles_s"] = env["angles"]  # the running sum's steps, followed by zeros up to S_pad
     if S < S_pad:
         env["angles_s"] = env["angles"][:, :S]
@@ -198,17 +221,12 @@ def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
     buf = torch.empty(numel, **f32)
     env.update({name: buf.as_strided(size, stride, off) for name, size, stride, off in views})
     env["states"] = torch.empty(B, H, m.nc, pb.N, pb.P, **f32)
-    env["init"] = _entering_state(x, pk)
-    env["step_bounds"] = env["chunk_bounds"] = None
-    if pk is not None:
-        env["step_bounds"], env["chunk_bounds"] = pk.step_bounds, pk.chunk_bounds
     # the serial passes' chains: longer sequences in segments (packed.segments)
     seg = env["segments"] = (packed.segments((m.nc,), B, pb.device) if pk is None else
                              pk.segments)
     if seg is not None:  # the tensors bound by name in the plans
         env.update(seg_bounds=seg.bounds, seg_seq=seg.seq, seg_first=seg.first,
                    seg_last=seg.last, finals=torch.empty(seg.n_segs, B, H, pb.N, pb.P, **f32))
-    env["m"] = m
     return env
 
 
@@ -559,89 +577,74 @@ def _op_backward(ctx, d_out, d_angle, d_state, d_k, d_v):
 _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+def _sum_in_order(parts: List[dict]) -> dict:
+    """The sums of the groups' partial sums, name by name, added in the groups' order (the same
+    order at every call: deterministic)."""
+    total = dict(parts[0])
+    for part in parts[1:]:
+        for name, val in part.items():
+            total[name] = total[name] + val
+    return total
+
+
 def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
-    """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one)."""
+    """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one). The
+    output stage's gradient and phase 2 run per group of batch entries (configs.backward_group),
+    on buffers of one group's size that the groups reuse; the rest runs once."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     # a plan built with dout as one of the inputs would bind them from one name
     x = dict(x, aliased=x["aliased"] or any(d_out is xl[n] for n in SEQ_DIM if xl[n] is not None))
-    env = prepare(lpb, xl, pk)
-    m = env["m"]
+    m = kernel_constants(lpb)
     B, L, H, G, N, P, R = lpb.B, lpb.S, pb.H, pb.G, pb.N, pb.P, pb.R  # L: the layout's steps
-    n_tiles = m.nc  # of the output stage: one chunk each
-    S_pad, nc, dev = m.S_pad, m.nc, pb.device
+    S_pad, dev = m.S_pad, pb.device
     f32 = dict(device=dev, dtype=torch.float32)
     # the gradients of the final angle, state, k and v (None where unused)
     d_angle_end, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
     if pk is None:
-        env["dout"] = _pad_steps(d_out.contiguous(), 1, S_pad)
+        dout = _pad_steps(d_out.contiguous(), 1, S_pad)
         d_final, d_ends = None if d_state is None else d_state.transpose(-1, -2), None
     else:
-        env["dout"] = packed.pack(d_out, 1, pk)
+        dout = packed.pack(d_out, 1, pk)
         d_ends = (torch.zeros(pk.n_seq, H, N, P, **f32) if d_state is None
                   else d_state.transpose(-1, -2).contiguous())
         d_final = d_ends[-1:]  # the last sequence's, where the reverse scan starts
-    env["dy"] = torch.empty(B, S_pad, R, H, P, **f32)
-    # dZ in Z's dtype: the kernel rounds each element once, as the cast at the end would
+    # The gradients with a step axis, written group by group. dQ, dK, dV and dZ in their inputs'
+    # dtype: the kernels round each element once, as a cast would, and the fp32 buffers never
+    # exist; but dK and dV in fp32 where the final k's (v's) gradient joins them at the last step.
+    x16 = x["Q"].dtype
+    steps = chunk_grads.step_buffers(m, dev, dq_dtype=x16,
+                                     dk_dtype=x16 if d_k is None else torch.float32,
+                                     dv_dtype=x16 if d_v is None else torch.float32)
     if pb.has_z:
-        env["dz"] = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype)
-        env["part_z"] = torch.empty(B * H, n_tiles, R, P, **f32)
-    if x["MIMO_Out"] is not None:
-        env["part_o"] = torch.empty(B * H, n_tiles, R, P, **f32)
-    if x["fuse_norm"]:
-        env["part_w"] = torch.empty(B * H, nc, P, **f32)
-    tiled = tiled_output(x)
-    if not tiled:
-        env["norm_w"] = _norm_weight(pb, x)
-    launch_all(plan_key("output_grad", lpb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
-               lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled, True)], dev)
-    # of the running angles only the last step's is read below (the kernels read cos and sin)
-    angle = None if d_k is None else _last_rows(env["angles"], pk, L).clone()
-    del env["angles"], env["angles_s"]
-    # the output stage's per-chunk partial sums reduced now, before phase 2's buffers exist
-    grads = {}
-    if pb.has_z:
-        grads["MIMO_Z"] = env.pop("part_z").view(B, H, n_tiles, R, P).sum((0, 2))
-    if x["MIMO_Out"] is not None:
-        grads["MIMO_Out"] = env.pop("part_o").view(B, H, n_tiles, R, P).sum((0, 2))
-    if x["fuse_norm"]:
-        part_w = env.pop("part_w")
-        if x["norm_weight"] is not None:
-            grads["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
-                x["norm_weight"].shape)
-        del part_w
-    g = chunk_grads.buffers(m, dev, d_final)
-    seg = env["segments"]
-    if seg is not None:  # the reverse scan over the segments: each sequence's d_end in its last
-        if pk is not None:
-            src = d_ends
-        elif d_final is not None:
-            src = d_final.reshape(1, B, H, N, P)
-        else:
-            src = torch.zeros(1, B, H, N, P, **f32)
-        d_ends = src.new_zeros(seg.n_segs, *src.shape[1:]).index_copy_(0, seg.ends, src)
-    env.update(g, d_ends=d_ends)
-    launch_all(plan_key("phase_2", lpb, x, env), env, lambda: chunk_grads.launches(
-        q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
-        mimo_v=env["MIMO_V"], d=placeholder(dev) if env["D"] is None else env["D"],
-        terms=env["terms"], cos=env["cos"], sin=env["sin"], da_cs=env["da_cs"],
-        da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env["dy"], states=env["states"],
-        consts=m, precision=m.PREC, bounds=env["chunk_bounds"], d_ends=d_ends, segments=seg,
-        finals=env.get("finals"), **g), dev)
-    # the largest buffers (the states, their gradients and dy: 640 MiB at N128_P64_R4_C16) are
-    # dropped here, before the reductions and casts below allocate the inputs' gradients; of
-    # the states' gradients only those entering each sequence's first chunk are kept
-    dstates = g.pop("dstates")
-    d_entering = None
-    if x["state0"] is not None:
-        d_entering = (dstates[:, :, 0].clone() if pk is None else
-                      dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
+        steps["dz"] = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype)
+    inputs = kernel_inputs(lpb, xl, pk)
+    entry_bytes = 4 * H * N * P * (2 * m.nc + 1) + 4 * S_pad * R * H * P
+    group = configs.backward_group(B, entry_bytes)
+    buffers, sums, angle, d_entering = None, [], [], []
+    for b0 in range(0, B, group):
+        rows = slice(b0, min(B, b0 + group))
+        gpb = dataclasses.replace(lpb, B=rows.stop - b0)
+        if buffers is None or buffers["m"].B != gpb.B:
+            buffers = None  # the previous group's released first
+            buffers = _group_buffers(gpb, x, pk)
+        env = dict(buffers, **(inputs if group >= B else
+                               {n: t if t is None or n not in _BATCH_INPUTS else t[rows]
+                                for n, t in inputs.items()}))
+        env.update({name: t[rows] for name, t in steps.items()}, dout=dout[rows])
+        part = _group_grads(gpb, x, pk, env, None if d_final is None else d_final[rows], d_ends,
+                            d_k is not None)
+        angle.append(part.pop("angle"))
+        d_entering.append(part.pop("d_entering"))
+        sums.append(part)
+    del buffers, env
+    grads = _sum_in_order(sums)
+    angle = None if d_k is None else torch.cat(angle)
+    d_entering = None if x["state0"] is None else torch.cat(d_entering)
     # the angles' backward writes d Angles with the strides it reads Angles with
-    angle_in = dict(angles_raw=env["Angles"].contiguous(), dt=env["DT"], trap=env["Trap"],
-                    bounds=env["step_bounds"])
-    dz = env.get("dz")
-    del dstates
-    env.clear()
-    dK, d_angles = g["dk"][:, :L], g["d_angles"][:, :L]
+    angle_in = dict(angles_raw=inputs["Angles"].contiguous(), dt=inputs["DT"],
+                    trap=inputs["Trap"], bounds=inputs["step_bounds"])
+    del inputs
+    dK, d_angles = steps["dk"][:, :L], steps["d_angles"][:, :L]
     if d_k is not None:
         # final_k = rot(K + K_bias) at the last step, per value head: its gradient rotated back
         # joins dK (summed over a group's heads) and K_bias's; the angle's share as in
@@ -649,39 +652,33 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         kr, d_k = _final_k(pb, _last_rows(xl["K"], pk, L), x["K_bias"], angle), d_k.float()
         back = _rotate(d_k, angle, inverse=True)
         _add_last_rows(dK, back.view(-1, R, G, H // G, N).sum(3), pk, L)
-        d_k_bias = back.sum(0).transpose(0, 1)
+        grads["K_bias"] = grads["K_bias"] + back.sum(0).transpose(0, 1)
         RD, half = angle.shape[-1], N // 2
         _add_last_rows(d_angles, (d_k[..., half:half + RD] * kr[..., :RD]
                                   - d_k[..., :RD] * kr[..., half:half + RD]).sum(1), pk, L)
     if d_angle_end is not None:
         _add_last_rows(d_angles, d_angle_end, pk, L)
     # the angles' backward, which also takes DT's and Trap's gradients through gamma and
-    # trap_scale, reads d_angles with the strides of g's [B, S_pad, H, RD] and the per-step
-    # terms with those of the padded DT
+    # trap_scale, reads d_angles with the strides of the [B, S_pad, H, RD] buffer and the
+    # per-step terms with those of the padded DT
     angle_env = dict(angle_in, d_angles=d_angles, d_raw=torch.empty(B, L, H, m.RD, **f32),
                      d_dt=torch.empty(B, H, S_pad, **f32),
                      d_angle0=torch.empty(B if pk is None else pk.n_seq, H, m.RD, **f32),
-                     d_gamma=g.pop("d_gamma"), d_trap_scale=g.pop("d_trap_scale"),
+                     d_gamma=steps["d_gamma"], d_trap_scale=steps["d_trap_scale"],
                      d_trap=torch.empty(B, H, S_pad, **f32))
     launch_all(plan_key("angles_grad", lpb, x, angle_env), angle_env,
                lambda: [preprocess.angle_sum_backward_launch(**angle_env)], dev)
     d_raw_angles, d_angle0 = angle_env["d_raw"], angle_env["d_angle0"]
     d_dt, d_trap = angle_env["d_dt"][..., :L], angle_env["d_trap"][..., :L]
-    dV = g["dv"][:, :L]
+    dV = steps["dv"][:, :L]
     if d_v is not None:
         _add_last_rows(dV, d_v, pk, L)
-    k_bias = g["part_kb"].sum((0, 1))
-    grads.update(
-        Q=g["dq"][:, :L], K=dK, V=dV, ADT=g["d_adt"][..., :L], DT=d_dt, Trap=d_trap,
-        Q_bias=g["part_qb"].sum((0, 1)), K_bias=k_bias if d_k is None else k_bias + d_k_bias,
-        MIMO_V=g["part_psi"].view(B, H, nc, R, P).sum((0, 2)),
-        Angles=d_raw_angles)
+    grads.update(Q=steps["dq"][:, :L], K=dK, V=dV, ADT=steps["d_adt"][..., :L], DT=d_dt,
+                 Trap=d_trap, Angles=d_raw_angles)
     if pb.has_z:
-        grads["Z"] = dz[:, :L]
+        grads["Z"] = steps["dz"][:, :L]
     elif x["MIMO_Z"] is not None:  # given without Z: unused
         grads["MIMO_Z"] = torch.zeros_like(x["MIMO_Z"])
-    if pb.has_d:
-        grads["D"] = g["part_d"].view(B, H, nc).sum((0, 2))
     if d_entering is not None:
         # the reverse scan's gradient of the state entering each sequence's first chunk
         _initial_state_grads(xl, pk, d_entering, d_angle0, grads)
@@ -695,6 +692,93 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         g = grads.get(name) if t is not None else None
         out.append(g if g is None or g.dtype == t.dtype else g.to(t.dtype))
     return tuple(out)
+
+
+def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
+    """The buffers of the output stage's gradient and phase 2 for a group of pb.B batch entries
+    (prepared_buffers', dy, chunk_grads.chunk_buffers' with a zero final-state gradient), which
+    every group of that size reuses."""
+    env = prepared_buffers(pb, pk)
+    m = env["m"]
+    env["dy"] = torch.empty(pb.B, m.S_pad, pb.R, pb.H, pb.P, device=pb.device,
+                            dtype=torch.float32)
+    if not tiled_output(x):
+        env["norm_w"] = _norm_weight(pb, x)
+    env.update(chunk_grads.chunk_buffers(m, pb.device))
+    return env
+
+
+def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
+                 d_final: Optional[Tensor], d_ends: Optional[Tensor], with_angle: bool) -> dict:
+    """The output stage's gradient and phase 2 for one group of batch entries (pb: its Problem
+    in the kernels' layout; x: the call's flags; env: _group_buffers', the group's rows of
+    kernel_inputs', of dout and of the gradients with a step axis, which it writes; d_final:
+    its rows). Returns the group's sums over its entries and chunks of the parameters'
+    gradients (by input name), and its rows of the last step's running angle ("angle",
+    with_angle) and of the gradient of the state entering the first chunk ("d_entering", with
+    an initial state)."""
+    m = env["m"]
+    B, H, N, P, R, nc = pb.B, pb.H, pb.N, pb.P, pb.R, m.nc
+    dev = pb.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    # the output stage's per-chunk partial sums, reduced before phase 2 and not kept
+    if pb.has_z:
+        env["part_z"] = torch.empty(B * H, nc, R, P, **f32)
+    if x["MIMO_Out"] is not None:
+        env["part_o"] = torch.empty(B * H, nc, R, P, **f32)
+    if x["fuse_norm"]:
+        env["part_w"] = torch.empty(B * H, nc, P, **f32)
+    tiled = tiled_output(x)
+    launch_all(plan_key("output_grad", pb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
+               lambda: prepare_launches(pb, env) + [output_launch(pb, x, env, tiled, True)], dev)
+    # of the running angles only the last step's is read below (the kernels read cos and sin)
+    sums = dict(angle=_last_rows(env["angles"], pk, pb.S).clone() if with_angle else None)
+    if pb.has_z:
+        sums["MIMO_Z"] = env.pop("part_z").view(B, H, nc, R, P).sum((0, 2))
+    if x["MIMO_Out"] is not None:
+        sums["MIMO_Out"] = env.pop("part_o").view(B, H, nc, R, P).sum((0, 2))
+    if x["fuse_norm"]:
+        part_w = env.pop("part_w")
+        if x["norm_weight"] is not None:
+            sums["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
+                x["norm_weight"].shape)
+        del part_w
+    # the reverse scan starts from the final states' gradient (zero in the buffers as made)
+    if d_final is not None:
+        env["dstates"][:, :, nc] = d_final
+    seg = env["segments"]
+    if seg is not None:  # the reverse scan over the segments: each sequence's d_end in its last
+        if pk is not None:
+            src = d_ends
+        elif d_final is not None:
+            src = d_final.reshape(1, B, H, N, P)
+        else:
+            src = torch.zeros(1, B, H, N, P, **f32)
+        d_ends = src.new_zeros(seg.n_segs, *src.shape[1:]).index_copy_(0, seg.ends, src)
+    env["d_ends"] = d_ends
+    launch_all(plan_key("phase_2", pb, x, env), env, lambda: chunk_grads.launches(
+        q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
+        mimo_v=env["MIMO_V"], d=placeholder(dev) if env["D"] is None else env["D"],
+        terms=env["terms"], cos=env["cos"], sin=env["sin"], da_cs=env["da_cs"],
+        da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env["dy"], states=env["states"],
+        consts=m, precision=m.PREC, bounds=env["chunk_bounds"], d_ends=d_ends, segments=seg,
+        finals=env.get("finals"), **{name: env[name] for name in _PHASE_2_BUFFERS}), dev)
+    # of the states' gradients only those entering each sequence's first chunk are kept
+    sums["d_entering"] = None
+    if x["state0"] is not None:
+        dstates = env["dstates"]
+        sums["d_entering"] = (dstates[:, :, 0].clone() if pk is None else
+                              dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
+    sums.update(Q_bias=env["part_qb"].sum((0, 1)), K_bias=env["part_kb"].sum((0, 1)),
+                MIMO_V=env["part_psi"].view(B, H, nc, R, P).sum((0, 2)))
+    if pb.has_d:
+        sums["D"] = env["part_d"].view(B, H, nc).sum((0, 2))
+    return sums
+
+
+# the buffers that phase 2 writes (chunk_grads.launches' outputs and scratch)
+_PHASE_2_BUFFERS = ("dq", "dk", "dv", "d_angles", "d_gamma", "d_trap_scale", "d_adt", "part_qb",
+                    "part_kb", "part_psi", "part_d", "dstates", "part_cs", "part_carried")
 
 
 def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
