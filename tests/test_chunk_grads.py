@@ -49,8 +49,10 @@ def _golden(a, dy, d_final, shape):
     return {n: t.grad for n, t in x.items() if t is not None}
 
 
-def _ours(a, dy, d_final, shape, d_skip):
-    """The kernels' gradients, reduced to the inputs' as the operator reduces them."""
+def _ours(a, dy, d_final, shape, d_skip, gate=None):
+    """The kernels' gradients, reduced to the inputs' as the operator reduces them; with gate =
+    (dout, z, mimo_o, mimo_z) (dout and z [B, S, H, P], z and mimo_z None without the gate)
+    instead of dy, dy recomputed from them in the kernels."""
     pb = Problem(B=shape.B, S=shape.S, H=shape.H, G=shape.G, N=shape.N, P=shape.P, R=shape.R,
                  C=shape.C, rotary_dim_divisor=shape.rotary_dim_divisor, dtype=torch.float32,
                  has_z=False, has_d=d_skip, output_dtype=torch.float32,
@@ -69,14 +71,20 @@ def _ours(a, dy, d_final, shape, d_skip):
                       da_cs_rev=padded["da_cs_rev"], dt=padded["dt"], trap=padded["trap"],
                       consts=m, **t).run()
     S, S_pad = shape.S, m.S_pad
-    dy_pad = torch.zeros(shape.B, S_pad, shape.R, shape.H, shape.P, device=DEVICE)
-    dy_pad[:, :S] = dy.transpose(2, 3)
+    if gate is None:
+        dy_pad = torch.zeros(shape.B, S_pad, shape.R, shape.H, shape.P, device=DEVICE)
+        dy_pad[:, :S] = dy.transpose(2, 3)
+    else:
+        dy_pad = None
+        pad = lambda x: None if x is None else torch.nn.functional.pad(  # noqa: E731
+            x, (0, 0, 0, 0, 0, S_pad - S))
+        gate = (pad(gate[0]), pad(gate[1]), *gate[2:])
     g = chunk_grads.raw_y_grads(
         q=padded["q"], k=padded["k"], v=padded["v"], q_bias=a["q_bias"], k_bias=a["k_bias"],
         mimo_v=a["mimo_v"], d=a["d"] if d_skip else placeholder(torch.device(DEVICE)),
         da_cs=padded["da_cs"], da_cs_rev=padded["da_cs_rev"], segsum=padded["segsum"],
         dy=dy_pad, states=states.float().contiguous(), d_final_state=d_final, consts=m,
-        precision=m.PREC, **t)
+        precision=m.PREC, gate=gate, **t)
     B, H, R = shape.B, shape.H, shape.R
     d_dt, d_trap = _trap_grads(g, padded["dt"], padded["trap"], S)
     out = dict(
@@ -136,3 +144,27 @@ def test_blocks(monkeypatch, pairs, N, divisor):
         BJ=pairs, BP=16, V_BJ=pairs, V_BP=16, STATE_BJ=16, STATE_BP=16))
     _check_against_autograd(Shape(1, 9, 6, 2, N, 40, 2, 4, rotary_dim_divisor=divisor), True,
                             seed=5)
+
+
+@pytest.mark.parametrize("z_gate", [True, False], ids=["z", "no_z"])
+def test_dy_recomputed_from_dout(z_gate):
+    """dy recomputed from dout and z where phase 2 reads it (the operator's path after
+    chunk_output's tiles) gives the gradients of the same dy read from the buffer, to fp32
+    rounding: dy = dout MIMO_Out silu(z MIMO_Z) (dout MIMO_Out without the gate)."""
+    shape = Shape(2, 13, 4, 2, 12, 10, 3, 4, rotary_dim_divisor=2)
+    a, _, d_final = _case(shape, True, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    B, S, H, R, P = shape.B, shape.S, shape.H, shape.R, shape.P
+    dout = torch.randn(B, S, H, P, generator=gen)
+    mimo_o = torch.randn(H, R, P, generator=gen) / R
+    dy = dout[:, :, :, None, :] * mimo_o  # [B, S, H, R, P]
+    z = mimo_z = None
+    if z_gate:
+        z, mimo_z = torch.randn(B, S, H, P, generator=gen), torch.randn(H, R, P, generator=gen)
+        dy = dy * torch.nn.functional.silu(z[:, :, :, None, :] * mimo_z)
+    on = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    want = _ours(a, dy.to(DEVICE), d_final, shape, True)
+    got = _ours(a, None, d_final, shape, True, gate=tuple(map(on, (dout, z, mimo_o, mimo_z))))
+    errors = {n: rel_rms(got[n].cpu(), want[n].cpu()) for n in want}
+    bad = {n: e for n, e in errors.items() if not e <= 1e-6}
+    assert not bad, f"relative RMS differences above 1e-6: {bad}"

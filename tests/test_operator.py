@@ -529,3 +529,50 @@ def test_backward_peak_is_phase_2(monkeypatch):
             out.backward(torch.ones_like(out))
         assert len(after_phase_2) == 2 // group
         assert live.peak <= after_phase_2[-1], (group, live.peak, after_phase_2[-1])
+
+
+def _spy_states(monkeypatch) -> list:
+    """(grad, the states' dtype, whether the chains run in segments) of every output-stage launch
+    the operator builds from here on."""
+    from mamba3_mimo.phases import operator
+    seen = []
+    output_launch = operator.output_launch
+
+    def spy(pb, x, env, tiled, grad):
+        seen.append((grad, env["states"].dtype, env["segments"] is not None))
+        return output_launch(pb, x, env, tiled, grad)
+
+    monkeypatch.setattr(operator, "output_launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("case", ["z_d_gqa", "noz_nod"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).split(".")[-1])
+def test_forward_with_rounded_states(monkeypatch, case, dtype):
+    """A training forward (no final states, the output on chunk_output's tiles) with the fused
+    state scan writes the states in the inputs' 16-bit dtype, which the tiles alone read; the
+    backward recomputes them in fp32: out and every gradient against the float64 reference.
+    (Through the interpreter 16-bit stores truncate: a harder test than the GPU's rounding.)"""
+    make_kw, op_kw, _ = CASES[case]
+    ours, _ = _leaves(make_args(**make_kw), dtype, DEVICE, None)
+    seen = _spy_states(monkeypatch)
+    with configs.override(state=[configs.StateConfig(scan=True, BJ=16, BP=16)]):
+        _against_reference(ours, None, op_kw, THRESHOLDS[dtype], return_state=False)
+    assert seen == [(False, dtype, False), (True, torch.float32, False)], seen
+
+
+def test_forward_states_stay_fp32_in_segments(monkeypatch):
+    """A training forward whose chains run in segments keeps its states in fp32 (the join adds
+    the carried state to them in place): out and every gradient against the float64
+    reference, the states' dtypes checked."""
+    from mamba3_mimo.phases import packed
+    monkeypatch.setattr(packed, "MIN_SEGMENT_CHUNKS", 1)
+    packed.segments.cache_clear()
+    ours, _ = _leaves(make_args(B=1, S=45, H=2, G=1, R=3, N=12, P=10, chunk_size=4, seed=59),
+                      torch.bfloat16, DEVICE, None)
+    seen = _spy_states(monkeypatch)
+    with configs.override(state=[configs.StateConfig(scan=True, BJ=16, BP=16)]):
+        _against_reference(ours, None, {}, THRESHOLDS[torch.bfloat16], return_state=False)
+    packed.segments.cache_clear()
+    assert seen == [(False, torch.float32, True), (True, torch.float32, True)], seen

@@ -31,22 +31,27 @@ import triton.language as tl
 from .. import configs
 from ..runtime.device import on_device
 from ..runtime.launcher import Launch
+from ..runtime.plans import placeholder
 from . import cdiv, chunk_state, input_align, next_pow2
 from .common import (chain, chunk_rows, load_cos_sin, load_mimo_v, load_pair_columns,
                      load_rotated, mac, rotate_pairs)
 from .step_terms import Q_DECAY
-from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, pair_block, psiv_block,
-                          rows_of_steps, state_block, step_sums, steps_of_rows)
+from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, dy_block, pair_block,
+                          psiv_block, rows_of_steps, state_block, step_sums, steps_of_rows)
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb"])
-def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_final, finals,
-                      S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, sqn,
+def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, da_cs, dstates,
+                      bounds, d_final, finals, S_pad, n_bh, nc, plane, H, HG, R, C, N, P, RD, sqb,
+                      sqs, sqr, sqg, sqn, svb, svs, svh, svp,
                       TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
-                      PREC: tl.constexpr, VARLEN: tl.constexpr, FINALS: tl.constexpr):
+                      PREC: tl.constexpr, HAS_Z: tl.constexpr, FAST: tl.constexpr,
+                      GATED: tl.constexpr, VARLEN: tl.constexpr, FINALS: tl.constexpr):
     """One (b, h), one block of BJ pair rows and one of BP columns of the state per program
     (grid (B*H, pair blocks * P blocks)); dstates [B, H, nc + 1, N, P] fp32 holds d final state
-    in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32. VARLEN (packed
+    in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32, or with GATED
+    recomputed from dout and z [B, S_pad, H, P] (strides svb, svs, svh, svp), mimo_o and
+    mimo_z (whole_chunk.dy_block). VARLEN (packed
     sequences, B = 1): one (sequence j, h) per program over chunks bounds[j] .. bounds[j + 1] - 1
     (bounds int32 [n_seq + 1]), from the last, starting from the sequence's final-state gradient
     d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side (with B > 1, segments of
@@ -75,18 +80,23 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_
     bias_off = (h * R + r) * N
     row = bh * S_pad
     y_row = (t * R + r) * H * P  # a row's dy inside the chunk's steps
+    dy_bh = dy + (b * S_pad * R * H + h) * P  # the (b, h) slices of dy, dout and z
+    v_bh = b * svb + h * svh
+    gate = (dout + v_bh, z + v_bh, mimo_o + h * R * P, mimo_z + h * R * P)
     b1, b2 = load_pair_columns(q_bias, bias_off, rows, j0, BJ, HALF, 1)
     # Software-pipelined: chunk c - 1's inputs are loaded while chunk c is added, so that the
     # walk waits for memory about once rather than once per chunk (the forward's fused scan
     # does the same).
     x1, x2, cs, sn, w, d_y, decay = _scan_inputs(
-        q_h, cos, sin, terms, dy, da_cs, lo + n_ch - 1, n_ch > 0, t, r, rows, p, pm, j0, b, h,
-        row, plane, y_row, S_pad, R, H, C, HALF, P, RD, sqs, sqr, sqn, BJ)
+        q_h, cos, sin, terms, dy_bh, gate, da_cs, lo + n_ch - 1, n_ch > 0, t, r, rows, p, pm,
+        j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ, HAS_Z,
+        FAST, GATED)
     for i in range(n_ch):
         c = lo + n_ch - 1 - i
         nx1, nx2, ncs, nsn, nw, nd_y, ndecay = _scan_inputs(
-            q_h, cos, sin, terms, dy, da_cs, c - 1, i + 1 < n_ch, t, r, rows, p, pm, j0, b, h,
-            row, plane, y_row, S_pad, R, H, C, HALF, P, RD, sqs, sqr, sqn, BJ)
+            q_h, cos, sin, terms, dy_bh, gate, da_cs, c - 1, i + 1 < n_ch, t, r, rows, p, pm,
+            j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ,
+            HAS_Z, FAST, GATED)
         q1, q2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
         run1 = mac(run1 * decay, tl.trans(q1 * w[:, None]), d_y, PREC)
         run2 = mac(run2 * decay, tl.trans(q2 * w[:, None]), d_y, PREC)
@@ -100,40 +110,50 @@ def state_grad_kernel(q, q_bias, dy, terms, cos, sin, da_cs, dstates, bounds, d_
 
 
 @triton.jit
-def _scan_inputs(q_h, cos, sin, terms, dy, da_cs, c, ok, t, r, rows, p, pm, j0, b, h, row, plane,
-                 y_row, S_pad, R, H, C, HALF, P, RD, sqs, sqr, sqn, BJ: tl.constexpr):
+def _scan_inputs(q_h, cos, sin, terms, dy_bh, gate, da_cs, c, ok, t, r, rows, p, pm, j0, row,
+                 plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP: tl.constexpr,
+                 RP: tl.constexpr, BJ: tl.constexpr, HAS_Z: tl.constexpr, FAST: tl.constexpr,
+                 GATED: tl.constexpr):
     """What the reverse scan reads of chunk c (nothing, the tiles zero and the decay 1, unless
-    ok): q's pair columns as stored, cos and sin [rows, BJ], Q_DECAY per row, dy [rows, BP] and
-    the chunk's decay exp(da_cs at its last step)."""
+    ok): q's pair columns as stored, cos and sin [rows, BJ], Q_DECAY per row, dy [rows, BP]
+    (from the (b, h) slice of the buffer, or with GATED from `gate`: the (b, h) slices of dout
+    and z and the head's mimo_o and mimo_z blocks) and the chunk's decay exp(da_cs at its last
+    step)."""
     s0 = tl.cast(c, tl.int64) * C
     live = rows & ok
     x1, x2 = load_pair_columns(q_h + s0 * sqs, t * sqs + r * sqr, live, j0, BJ, HALF, sqn)
     cs, sn = load_cos_sin(cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, live, j0, BJ, RD)
     w = tl.load(terms + Q_DECAY * plane + row + s0 + t, mask=live, other=0.0)
-    d_y = tl.load(dy + ((b * S_pad + s0) * R * H + h) * P + y_row[:, None] + p[None, :],
-                  mask=live[:, None] & pm[None, :], other=0.0)
+    dout_h, z_h, mo_h, mz_h = gate
+    ts = tl.arange(0, TP)
+    d_y = dy_block((dy_bh + s0 * R * H * P, dout_h + s0 * svs, z_h + s0 * svs, mo_h, mz_h),
+                   y_row, live, ts, (ts < C) & ok, svs, svp, R, P, p, pm, RP, HAS_Z, FAST, GATED)
     decay = tl.exp(tl.load(da_cs + row + s0 + C - 1, mask=ok, other=0.0))
     return x1, x2, cs, sn, w, d_y, decay
 
 
 @triton.jit
-def _head_chunk(q, k, v, mimo_v, cos, sin, terms, segsum, dy, t, r, b, h, c, S_pad, nc, plane, H,
-                HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh,
+def _head_chunk(q, k, v, mimo_v, cos, sin, terms, segsum, dy_in, t, r, b, h, c, S_pad, nc, plane,
+                H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh,
                 TP: tl.constexpr, BA: tl.constexpr):
     """Where chunk c of (b, h) reads (chunk_pointers; the batch strides sqb, skb, svb come
     divided by BA, kernels.input_align, so that the 16-bit loads of q, k and v are wide), its
-    per-step terms (chunk_terms) and its rows of dy [B, S_pad, R, H, P] (the chunk's first row
-    and each row's offset)."""
+    per-step terms (chunk_terms), and where its dy comes from: whole_chunk.dy_block's src at the
+    chunk, from dy_in = (dy [B, S_pad, R, H, P], dout, z [B, S_pad, H, P] with v's strides,
+    mimo_o, mimo_z), and each row's offset in dy."""
     bh = b * H + h
     row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
         q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb * BA, sqs,
         sqr, sqg, skb * BA, sks, skr, skg, svb * BA, svs, svh)
     rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
         terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
-    y_at = dy + ((b * S_pad + c * C) * R * H + h) * P
+    dy, dout, z, mimo_o, mimo_z = dy_in
+    v_off = b * (svb * BA) + h * svh + c * C * svs  # v_at's, in dout and z
+    y_src = (dy + ((b * S_pad + c * C) * R * H + h) * P, dout + v_off, z + v_off,
+             mimo_o + h * R * P, mimo_z + h * R * P)
     y_row = (t * R + r) * H * P
     return (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows,
-            ts, steps, gamma, trap_scale, k_decay, q_decay, e, w, y_at, y_row)
+            ts, steps, gamma, trap_scale, k_decay, q_decay, e, w, y_src, y_row)
 
 
 @triton.jit
@@ -149,13 +169,13 @@ def _bias_share(part, part_off, val, part_mask):
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bg", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
-def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum, dy, states,
-                          dstates, dq, dk, part_qb, part_kb, d_angles, part_cs, part_carried,
-                          S_pad, n_bg, n_bh, nc, plane, H, G, HG, R, C, N, HALF, P, RD, sqb, sqs,
-                          sqr, sqg,
-                          sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
-                          TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
-                          BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr):
+def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum, dy, dout, z,
+                          mimo_o, mimo_z, states, dstates, dq, dk, part_qb, part_kb, d_angles,
+                          part_cs, part_carried, S_pad, n_bg, n_bh, nc, plane, H, G, HG, R, C, N,
+                          HALF, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs,
+                          svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
+                          BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
+                          HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr):
     """dQr = (dP W) Kr + Q_DECAY dY states[c]^T and dKr = (dP W)^T Qr + K_DECAY PsiV
     dstates[c + 1]^T on one block of BJ pair columns, rotated back and summed over the heads of a
     group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
@@ -186,9 +206,10 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
     for hh in range(0, HG):
         h = g * HG + hh
         (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
-         steps, gamma, trap_scale, k_decay, q_decay, e, w, y_at, y_row) = _head_chunk(
-            q, k, v, mimo_v, cos, sin, terms, segsum, dy, t, r, b, h, c, S_pad, nc, plane, H, HG,
-            R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
+         steps, gamma, trap_scale, k_decay, q_decay, e, w, y_src, y_row) = _head_chunk(
+            q, k, v, mimo_v, cos, sin, terms, segsum, (dy, dout, z, mimo_o, mimo_z), t, r, b, h,
+            c, S_pad, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg,
+            svb, svs, svh, TP, BA)
         st_at = states + (bh * nc + c) * N * P
         ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
         # one walk over P: dP = dY PsiV^T, dY states^T and PsiV dstates^T on the block's pairs
@@ -200,8 +221,8 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         carried = 0.0
         for p0 in range(0, P, BP):
             p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-            d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                          other=0.0)
+            d_y = dy_block(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z,
+                           FAST, GATED)
             st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
             ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
             dp = mac(dp, d_y, tl.trans(psiv), PREC)
@@ -244,12 +265,13 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
 def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
-                         segsum, dy, dstates, part_cs, part_carried, dv, part_psi, part_d,
-                         d_gamma, d_trap_scale, d_adt, S_pad, n_bh, n_jb, nc, plane, H, HG, R, C,
-                         N, HALF, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs,
-                         svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
-                         BP: tl.constexpr, HAS_D: tl.constexpr, PREC: tl.constexpr,
-                         BA: tl.constexpr):
+                         segsum, dy, dout, z, mimo_o, mimo_z, dstates, part_cs, part_carried, dv,
+                         part_psi, part_d, d_gamma, d_trap_scale, d_adt, S_pad, n_bh, n_jb, nc,
+                         plane, H, HG, R, C, N, HALF, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks,
+                         skr, skg, skn, svb, svs, svh, svp, TP: tl.constexpr, RP: tl.constexpr,
+                         BJ: tl.constexpr, BP: tl.constexpr, HAS_D: tl.constexpr,
+                         PREC: tl.constexpr, BA: tl.constexpr, HAS_Z: tl.constexpr,
+                         FAST: tl.constexpr, GATED: tl.constexpr):
     """dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY with Sc = Qr Kr^T, and the per-step
     gradients, per (b*h, chunk) (b*h fastest: a group's heads read the same q and k together).
     Sc in one walk over N in blocks of BJ pairs; then per block of BP columns of P, Kr
@@ -266,9 +288,10 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     rk = tl.arange(0, RP)
     s0 = c * C
     (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
-     steps, gamma, trap_scale, k_decay, q_decay, e, w, y_at, y_row) = _head_chunk(
-        q, k, v, mimo_v, cos, sin, terms, segsum, dy, t, r, b, h, c, S_pad, nc, plane, H, HG, R,
-        C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
+     steps, gamma, trap_scale, k_decay, q_decay, e, w, y_src, y_row) = _head_chunk(
+        q, k, v, mimo_v, cos, sin, terms, segsum, (dy, dout, z, mimo_o, mimo_z), t, r, b, h, c,
+        S_pad, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs,
+        svh, TP, BA)
     ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
     sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
                       cs_off, HALF, RD, sqn, skn, BJ, PREC)
@@ -285,8 +308,8 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
             ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
             kd = mac(mac(kd, k1, ds1, PREC), k2, ds2, PREC)
         p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-        d_y = tl.load(y_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                      other=0.0)
+        d_y = dy_block(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z, FAST,
+                       GATED)
         sdp += steps_of_rows(sc * tl.dot(d_y, tl.trans(psiv), input_precision=PREC), RP)
         inter_k_rows += tl.sum(psiv * kd, axis=1)
         dpv = mac(k_decay[:, None] * kd, tl.trans(sc * rows_of_steps(w, RP)), d_y, PREC)
@@ -363,20 +386,25 @@ STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 # blocks: 1.14 -> 0.97 ms at N128_P64_R4_C16 and 1.90 -> 1.51 at N256_P64_R4_C8 (2026-12-04;
 # not measured at N = 64). Without Hopper's wgmma (sm_80-89, sm_120)
 # every warp holds a dot's whole second operand, and that block spilled 5.6 KB per thread
-# offline (sm_89): there the 16 x 32 blocks at 4 warps.
-def config(N: int, P: int, measured: bool = True) -> GradsConfig:
+# offline (sm_89): there the 16 x 32 blocks at 4 warps. With dy recomputed where it is read
+# (`gated`), chunk_grads_v over 32-column P blocks: offline (sm_90, 2026-12-04) 240-584 bytes of
+# stack per thread on the official shapes, against 1,000-1,424 at 64 columns (and 672-1,056
+# reading the dy buffer at 64); not yet timed.
+def config(N: int, P: int, measured: bool = True, gated: bool = False) -> GradsConfig:
     """The blocks of phase 2's kernels for state size N and head dimension P, on a GPU whose
-    configs were measured (configs.measured_arch) or not."""
+    configs were measured (configs.measured_arch) or not, with dy read from its buffer or
+    recomputed where it is read (gated)."""
     state_bp = 64 if N >= 256 or P >= 128 else 32
+    v_bp = 32 if gated else 64
     if N >= 64 and measured:
-        return GradsConfig(BJ=32, BP=64, QK_WARPS=8, V_BJ=32 if N >= 128 else 16,
+        return GradsConfig(BJ=32, BP=64, QK_WARPS=8, V_BJ=32 if N >= 128 else 16, V_BP=v_bp,
                            STATE_BP=state_bp)
-    return GradsConfig(STATE_BP=state_bp)
+    return GradsConfig(V_BP=v_bp, STATE_BP=state_bp)
 
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
                 segsum, dy, states, d_final_state=None, consts, precision: str,
-                bounds=None, d_ends=None) -> dict:
+                bounds=None, d_ends=None, gate=None) -> dict:
     """The gradients of raw_y given dy = d raw_y [B, S_pad, R, H, P] fp32, for padded inputs
     (whole chunks of C steps, U = 1) and step_terms' tables: a dict of fp32 tensors dq, dk
     [B, S_pad, R, G, N], the per-chunk shares of the bias gradients part_qb, part_kb
@@ -389,23 +417,24 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
     (chunk_state.launches'), and d_ends [n_seq, H, N, P] fp32 the sequences' final-state
     gradients (d_final_state is then the last one's). consts: the kernels' constants of the
     padded call with U = 1 (step_terms' Q_DECAY is then exp(da_cs)); `precision` the dots' input
-    precision."""
+    precision. gate: dy recomputed from it where it is read (dy None; `launches`)."""
     out = buffers(consts, q.device, d_final_state)
     with on_device(q.device):
         for launch in launches(q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, d=d,
                                terms=terms, cos=cos, sin=sin, da_cs=da_cs, da_cs_rev=da_cs_rev,
                                segsum=segsum, dy=dy, states=states, consts=consts,
-                               precision=precision, bounds=bounds, d_ends=d_ends, **out):
+                               precision=precision, bounds=bounds, d_ends=d_ends, gate=gate,
+                               **out):
             launch.run()
     return out
 
 
-def _blocks(consts, device) -> Tuple[GradsConfig, int]:
+def _blocks(consts, device, gated: bool = False) -> Tuple[GradsConfig, int]:
     """(the config with its blocks clamped to N and P, every dot dimension at least 16; the
-    count of chunk_grads_qk's pair blocks)."""
+    count of chunk_grads_qk's pair blocks, which `gated` does not change)."""
     m = consts
     N, P = m.N, m.P
-    cfg = config(N, P, configs.measured_arch(device))
+    cfg = config(N, P, configs.measured_arch(device), gated)
     pairs = lambda want: max(16, min(want, next_pow2(N // 2)))  # noqa: E731
     columns = lambda want: max(16, min(want, next_pow2(P)))  # noqa: E731
     cfg = GradsConfig(BJ=pairs(cfg.BJ), BP=columns(cfg.BP), V_BJ=pairs(cfg.V_BJ),
@@ -468,28 +497,46 @@ def chunk_buffers(consts, device, d_final_state=None) -> dict:
 
 def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev, segsum,
              dy, states, consts, precision: str, bounds=None, d_ends=None, segments=None,
-             finals=None, dq, dk, part_qb, part_kb, dv, part_psi, part_d, d_angles, d_gamma,
-             d_trap_scale, d_adt, dstates, part_cs, part_carried) -> list:
+             finals=None, gate=None, dq, dk, part_qb, part_kb, dv, part_psi, part_d, d_angles,
+             d_gamma, d_trap_scale, d_adt, dstates, part_cs, part_carried) -> list:
     """raw_y_grads' three launches (the reverse scan, chunk_grads_qk, chunk_grads_v) into the
-    tensors of `buffers`. Packed sequences give bounds and d_ends. Chains cut in `segments`
-    (packed.Segments: long packed sequences, or a dense call's chunks at B < 4) take d_ends
-    [n_segs, B, H, N, P] (zero but in each sequence's last segment) and write the gradients
-    entering them into finals of the same shape (fp32), joined by a fourth launch after the
-    reverse scan (chunk_state.join_launch)."""
+    tensors of `buffers`. dy: d raw_y [B, S_pad, R, H, P] fp32; or None with gate = (dout, z,
+    mimo_o, mimo_z): dy recomputed where it is read from dout and z [B, S_pad, H, P] (with v's
+    strides; z None without the gate) and MIMO_Out, MIMO_Z [H, R, P] (None without the gate),
+    the output stage's gradient of a reduced output without the norm (whole_chunk.dy_block).
+    Packed sequences give bounds and d_ends. Chains cut in `segments` (packed.Segments: long
+    packed sequences, or a dense call's chunks at B < 4) take d_ends [n_segs, B, H, N, P] (zero
+    but in each sequence's last segment) and write the gradients entering them into finals of
+    the same shape (fp32), joined by a fourth launch after the reverse scan
+    (chunk_state.join_launch)."""
     m = consts
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
     C, nc = m.C, m.nc
-    cfg, n_jb = _blocks(m, q.device)
+    cfg, n_jb = _blocks(m, q.device, gate is not None)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
+    stand = placeholder(q.device)
+    opt = lambda x: stand if x is None else x  # noqa: E731
+    if gate is None:
+        gated = dict(dy=dy, dout=stand, z=stand, mimo_o=stand, mimo_z=stand, HAS_Z=False,
+                     GATED=False)
+    else:
+        dout, z, mimo_o, mimo_z = gate
+        if any(x is not None and x.stride() != vs for x in (dout, z)):
+            raise ValueError("gate: dout and z must have v's strides "
+                             f"{tuple(vs)}, got {dout.stride()}, "
+                             f"{None if z is None else z.stride()}")
+        gated = dict(dy=stand, dout=dout, z=opt(z), mimo_o=mimo_o, mimo_z=opt(mimo_z),
+                     HAS_Z=z is not None, GATED=True)
     common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
-                  N=N, P=P, RD=m.RD, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4],
-                  TP=m.TP, RP=m.RP, PREC=precision)
-    BA = input_align(m.ALIGN, q, k, v)
+                  N=N, P=P, RD=m.RD, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], svs=vs[1],
+                  svh=vs[2], svp=vs[3], TP=m.TP, RP=m.RP, PREC=precision,
+                  FAST=2 if m.OPAQUE else 1, **gated)
+    BA = input_align(m.ALIGN, q, k, v)  # dout and z: v's strides
     inputs = dict(q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, terms=terms,
-                  cos=cos, sin=sin, segsum=segsum, dy=dy, dstates=dstates, BA=BA,
+                  cos=cos, sin=sin, segsum=segsum, dstates=dstates, BA=BA,
                   sqb=qs[0] // BA, skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
-                  svb=vs[0] // BA, svs=vs[1], svh=vs[2], svp=vs[3], n_bh=B * H, part_cs=part_cs,
+                  svb=vs[0] // BA, n_bh=B * H, part_cs=part_cs,
                   part_carried=part_carried, HALF=N // 2, **common)
     if segments is not None:
         bounds = segments.bounds
@@ -499,11 +546,12 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
         states=dstates, finals=finals, da_cs=da_cs, segments=segments, consts=m, reverse=True)]
     return [
         Launch(state_grad_kernel, (chains, blocks), dict(
-            q=q, q_bias=q_bias, dy=dy, da_cs=da_cs, dstates=dstates, terms=terms, cos=cos,
+            q=q, q_bias=q_bias, da_cs=da_cs, dstates=dstates, terms=terms, cos=cos,
             sin=sin, bounds=dstates if bounds is None else bounds,
             d_final=dstates if bounds is None else d_ends, VARLEN=bounds is not None,
             finals=dstates if finals is None else finals, FINALS=segments is not None,
-            n_bh=B * H, BJ=cfg.STATE_BJ, BP=cfg.STATE_BP, sqb=qs[0], **common), STATE_OPTIONS),
+            n_bh=B * H, BJ=cfg.STATE_BJ, BP=cfg.STATE_BP, sqb=qs[0], svb=vs[0], **common),
+            STATE_OPTIONS),
         *join,
         Launch(chunk_grads_qk_kernel, (n_jb * B * G * nc,), dict(
             states=states, dq=dq, dk=dk, part_qb=part_qb, part_kb=part_kb, d_angles=d_angles,

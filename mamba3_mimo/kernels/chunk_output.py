@@ -1,7 +1,7 @@
 """Production output pass: raw_y of every tile of U consecutive chunks in parallel, then qk_dot,
 dz and the per-rank partial sums of dmimo_o / dmimo_z (bwd_fwd). The whole operator runs the
-same tiles in two more modes: its output (FORWARD), and its output stage's gradients with
-d raw_y for phase 2 (GRAD).
+same tiles in two more modes: its output (FORWARD), and its output stage's gradients (GRAD;
+phase 2 recomputes d raw_y from dout and z where it reads it).
 
 Grid (B*H * tiles, P blocks). For each tile: scores = Qr Kr^T and inter = Qr states[first chunk]
 accumulate over N-pair blocks, then raw_y = (scores * causal weights) psi_v + exp(decay since
@@ -80,7 +80,7 @@ def _finite(x):
 
 @triton.jit
 def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin, segsum,
-          states, qk_dot, dz, part_o, part_z, out, dy, flag, n_prog, bh, o, pid_p, S, S_pad,
+          states, qk_dot, dz, part_o, part_z, out, flag, n_prog, bh, o, pid_p, S, S_pad,
           plane, nc,
           n_tiles, H, HG, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp,
           sgb, sgh, sgc, R,
@@ -183,10 +183,10 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
         raw = tl.permute(tl.reshape(raw_t, (BP, TP, RP)), (1, 2, 0))
         if CAREFUL:
             raw = tl.where(poison[:, None, :], float("nan"), raw)
-        # dz and out [B, S, H, P], dy [B, S, R, H, P], contiguous: the head's slice at the
-        # tile's steps, as a base and offsets per step. 32-bit offsets from the tile's first step
-        # spill least in bwd_fwd and the forward, 64-bit ones from step 0 in GRAD (offline sm_90:
-        # the stack of either form in the other mode is larger)
+        # dz and out [B, S, H, P], contiguous: the head's slice at the tile's steps, as a base and
+        # offsets per step. 32-bit offsets from the tile's first step spill least in bwd_fwd and
+        # the forward, 64-bit ones from step 0 in GRAD (offline sm_90: the stack of either form
+        # in the other mode is larger)
         if MODE == GRAD:
             t_base = h * P
             t_rows = (b * S + t0 + tt) * H * P
@@ -198,12 +198,10 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
                               mimo_z + h * R * P, R, p, pm, P, svp, out + t_base, t_rows, HAS_Z,
                               2 if OPAQUE else 1)
         else:
-            # dy: read in GRAD only, where t_base is the head's column
             sum_o, sum_z = gate_epilogue_steps(
                 raw, dout + vh, z + vh, (t0 + tt) * svs, out_ok, mimo_o + h * R * P,
-                mimo_z + h * R * P, R, p, pm, P, svp, dz + t_base, t_rows, dy + t_base,
-                t_rows * R, H * P, HAS_Z, 2 if OPAQUE else 1,  # the sigmoid: inline asm
-                MODE == GRAD)
+                mimo_z + h * R * P, R, p, pm, P, svp, dz + t_base, t_rows, HAS_Z,
+                2 if OPAQUE else 1)  # the sigmoid: inline asm
             part = (bh * n_tiles + o) * R * P
             store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
             if not CAREFUL and MODE == BWD_FWD:
@@ -225,7 +223,7 @@ def _tile_of(pid, n_bh, n_tiles):
 @triton.jit(do_not_specialize=["S", "S_pad", "plane", "nc", "n_tiles", "n_bh", "n_prog", "sqb",
                                "skb", "svb", "sgb", "sgh"])
 def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos,
-                        sin, segsum, states, qk_dot, dz, part_o, part_z, out, dy, flags,
+                        sin, segsum, states, qk_dot, dz, part_o, part_z, out, flags,
                         S, S_pad, plane, nc, n_tiles, n_bh, n_prog, H, HG, sqb, sqs, sqr, sqg,
                         sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R,
                         N: tl.constexpr, P: tl.constexpr, C,
@@ -239,8 +237,8 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
     """One tile of one (b, h) and PB P blocks (`_tile`), grid (B*H * tiles, P blocks) = n_prog
     programs. MODE: BWD_FWD (bwd_fwd's outputs: qk_dot, dz, the dmimo partial sums and the
     flags below), FORWARD (the whole operator's output `out` alone; dout, qk_dot, dz, part_o,
-    part_z, flags unread) or GRAD (the operator's backward: dz, the partial sums and dy = d raw_y
-    [B, S, R, H, P] fp32; no qk_dot, no flags). flags [PB, n_prog]:
+    part_z, flags unread) or GRAD (the operator's backward: dz and the partial sums; no qk_dot,
+    no flags). flags [PB, n_prog]:
     flags[pp, pid_p * B*H * tiles + pid] is 1 where a dmimo_o partial sum of P block pp is not
     finite, else 0. CAREFUL: the rerun launch, grid
     (cdiv(n_prog, FLAG_BLOCK),), whose programs read the flags of FLAG_BLOCK programs each and
@@ -262,7 +260,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
                     pid_p = (first + j) // (n_bh * n_tiles)
                     bh, o = _tile_of(pid, n_bh, n_tiles)
                     _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms,
-                          cos, sin, segsum, states, qk_dot, dz, part_o, part_z, out, dy, flags,
+                          cos, sin, segsum, states, qk_dot, dz, part_o, part_z, out, flags,
                           n_prog,
                           bh, o, pid_p.to(tl.int32), S, S_pad, plane, nc, n_tiles, H, HG, sqb,
                           sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb,
@@ -280,7 +278,7 @@ def chunk_output_kernel(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z
             for pp in tl.static_range(PB):
                 tl.store(flag + pp * n_prog, 0.0)
         _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, cos, sin,
-              segsum, states, qk_dot, dz, part_o, part_z, out, dy, flag, n_prog, bh.to(tl.int64),
+              segsum, states, qk_dot, dz, part_o, part_z, out, flag, n_prog, bh.to(tl.int64),
               o.to(tl.int64), pid_p, S, S_pad, plane, nc, n_tiles, H, HG, sqb, sqs, sqr, sqg,
               sqn, skb, sks, skr, skg, skn, svb, svs, svh, svp, sgb, sgh, sgc, R, N, P, C, TP,
               RP, HALF, RD, BJ, BP, U, HAS_Z, HAS_D, PREC, EXACT, OPAQUE, BA, PREFETCH, PB,
@@ -354,19 +352,19 @@ def operator_launch(*, grad: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                     k_bias: torch.Tensor, mimo_v: torch.Tensor, mimo_o: torch.Tensor,
                     mimo_z: torch.Tensor, d: torch.Tensor, segsum: torch.Tensor,
                     terms: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    states: torch.Tensor, out: torch.Tensor, dz: torch.Tensor, dy: torch.Tensor,
+                    states: torch.Tensor, out: torch.Tensor, dz: torch.Tensor,
                     part_o: torch.Tensor, part_z: torch.Tensor, consts, cfg) -> Launch:
     """The whole operator's launch (MIMO_Out given, no fused norm), over padded inputs as
     `launches` reads them: without `grad` (FORWARD) it writes out [B, S_pad, H, P] in out's
-    dtype; with it (GRAD), given dout [B, S_pad, H, P], dz [B, S_pad, H, P] (with Z), dy = d
-    raw_y [B, S_pad, R, H, P] fp32 and the per-tile partial sums of the gradients of MIMO_Out
-    and MIMO_Z, part_o and part_z [B*H, n_tiles, R, P] fp32. Tensors a mode does not write or
+    dtype; with it (GRAD), given dout [B, S_pad, H, P], dz [B, S_pad, H, P] (with Z) and the
+    per-tile partial sums of the gradients of MIMO_Out and MIMO_Z, part_o and part_z
+    [B*H, n_tiles, R, P] fp32 (phase 2 recomputes d raw_y from dout and z). Tensors a mode does not write or
     read may be stand-ins. No rerun of tiles that meet a non-finite value (bwd_fwd's CAREFUL):
     within a tile, a NaN or Inf of a later step reaches the outputs of earlier ones."""
     kwargs = _arguments(q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias,
                         mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d, terms=terms, cos=cos,
                         sin=sin, segsum=segsum, states=states, qk_dot=out, dz=dz, part_o=part_o,
-                        part_z=part_z, out=out, dy=dy, flags=part_o, S=consts.S_pad,
+                        part_z=part_z, out=out, flags=part_o, S=consts.S_pad,
                         MODE=(GRAD if grad else FORWARD).value, consts=consts, cfg=cfg)
     m = consts
     grid = (m.B * m.H * cdiv(m.nc, m.U), cdiv(m.P, cfg.BP * cfg.PB))
@@ -395,11 +393,11 @@ def launches(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     n_prog = program_count(m, cfg)
     if flags.numel() < flag_count(m, cfg):
         raise ValueError(f"flags: {flag_count(m, cfg)} elements needed, got {flags.numel()}")
-    # out, dy: unread stand-ins
+    # out: an unread stand-in
     kwargs = _arguments(q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias,
                         mimo_v=mimo_v, mimo_o=mimo_o, mimo_z=mimo_z, d=d, terms=terms, cos=cos,
                         sin=sin, segsum=segsum, states=states, qk_dot=qk_dot, dz=dz,
-                        part_o=part_o, part_z=part_z, out=parts, dy=parts, flags=flags,
+                        part_o=part_o, part_z=part_z, out=parts, flags=flags,
                         S=m.S, MODE=BWD_FWD.value, consts=m, cfg=cfg)
     grid = (B * H * n_tiles, cdiv(m.P, cfg.BP * cfg.PB))
     RP_SIZE = m.R * m.P

@@ -260,8 +260,7 @@ def store_qk_dot(qk_ptr, scores, t, r, row_ok, R, RP: tl.constexpr, ROWS: tl.con
 
 @triton.jit
 def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, p, p_mask, P,
-                        stride_p, dz_ptr, dz_off, dy_ptr, dy_off, dy_rank, HAS_Z: tl.constexpr,
-                        FAST: tl.constexpr, DY: tl.constexpr):
+                        stride_p, dz_ptr, dz_off, HAS_Z: tl.constexpr, FAST: tl.constexpr):
     """The production reduce-O gradients of a tile held as raw [TP, RP, BP] (step, rank,
     column): stores dz and returns the per-rank sums (sum_t dout*gate*raw,
     sum_t dout*Phi*raw*silu'(u)*z), each [RP, BP].
@@ -271,8 +270,7 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
     head's [R, P] blocks at mimo_o, mimo_z); the sums run along a tensor axis, so no
     row-grouped tile is rebuilt, and Phi multiplies dmimo_z's sum over time, not its terms.
     dz_off: the steps' offsets in the contiguous dz at dz_ptr. Rows of raw with rank >= R must
-    be zero. DY (the whole operator's backward) also stores d raw = dout * Phi * gate, fp32, at
-    dy_ptr + dy_off[t] + r * dy_rank + p.
+    be zero.
     """
     m = t_mask[:, None] & p_mask[None, :]
     off = t_off[:, None] + p[None, :] * stride_p
@@ -280,10 +278,9 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
     r = tl.arange(0, raw.shape[1])
     hm = (r < R)[:, None] & p_mask[None, :]
     hoff = r[:, None] * P + p[None, :]
-    z, zeta, phi, gate = 0.0, 0.0, 0.0, 1.0
-    if HAS_Z or DY:  # without Z, Phi enters only dy
-        phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)  # [RP, BP]
+    z, zeta, phi = 0.0, 0.0, 0.0
     if HAS_Z:
+        phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)  # [RP, BP]
         z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
         zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :]
         gate, d_gate = silu_terms(z * zeta, FAST)
@@ -291,9 +288,6 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
         g_o, h = dr * gate, dr * d_gate
     else:
         g_o, h = dout * raw, 0.0
-    if DY:
-        tl.store(dy_ptr + dy_off[:, None, None] + r[None, :, None] * dy_rank + p[None, None, :],
-                 dout * phi[None, :, :] * gate, mask=t_mask[:, None, None] & hm[None, :, :])
     sum_o = tl.sum(g_o, axis=0)
     sum_z = tl.zeros_like(sum_o)
     if HAS_Z:

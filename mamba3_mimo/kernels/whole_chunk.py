@@ -6,7 +6,7 @@ between rows and steps."""
 import triton
 import triton.language as tl
 
-from .common import load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows
+from .common import load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows, sigmoid
 from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
 
 
@@ -78,6 +78,32 @@ def psiv_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP: tl.constexpr,
     xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
                  mask=steps[:, None] & pm[None, :], other=0.0)
     return p, pm, psi_v_rows(xv, load_mimo_v(mimo_v_at, R, p, pm, P, RP))
+
+
+@triton.jit
+def dy_block(src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP: tl.constexpr,
+             HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr):
+    """dy = d raw_y [rows, BP] of a chunk on the columns p (mask pm), from src = (dy, dout, z,
+    mimo_o, mimo_z) at the chunk: read from the fp32 buffer (dy at the chunk's first row, y_row
+    the rows' offsets), or with GATED recomputed from dout and z (at the chunk's first step;
+    v's strides svs, svp) and the head's MIMO_Out and MIMO_Z blocks as dout[t, p]
+    MIMO_Out[r, p] silu(z[t, p] MIMO_Z[r, p]) (no silu without Z): the gradient through the
+    reduce-O gate, which reads a quarter of the buffer's bytes at R = 4 and needs no buffer.
+    FAST: common.sigmoid's."""
+    dy_at, dout_at, z_at, mo_at, mz_at = src
+    if GATED:
+        m = steps[:, None] & pm[None, :]
+        off = ts[:, None] * svs + p[None, :] * svp
+        g = (tl.load(dout_at + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
+             * load_mimo_v(mo_at, R, p, pm, P, RP)[None, :, :])
+        if HAS_Z:
+            u = (tl.load(z_at + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
+                 * load_mimo_v(mz_at, R, p, pm, P, RP)[None, :, :])
+            g = g * (u * sigmoid(u, FAST))
+        return tl.reshape(g, (g.shape[0] * g.shape[1], g.shape[2]))
+    else:
+        return tl.load(dy_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                       other=0.0)
 
 
 @triton.jit

@@ -165,10 +165,20 @@ def kernel_constants(pb: Problem) -> configs.Constants:
 configs.register_cache(kernel_constants.cache_clear)
 
 
-def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
+def prepare(pb: Problem, x: dict, pk: Optional[Packing] = None, rounded: bool = False) -> dict:
     """The kernels' view of a call in its layout, by name: kernel_inputs' and
-    prepared_buffers'."""
-    return dict(kernel_inputs(pb, x, pk), **prepared_buffers(pb, pk))
+    prepared_buffers'. `rounded`: the states in the inputs' 16-bit dtype where
+    configs.out_states_suffice allows it, the chains are not cut in segments (whose join adds
+    to the states in place) and the state pass is the fused scan (which needs no fp32 scratch),
+    for a forward whose output stage alone reads them; env["rounded"] says whether they are."""
+    env = dict(kernel_inputs(pb, x, pk), **prepared_buffers(pb, pk, states_dtype=None))
+    dtype = x["Q"].dtype
+    env["rounded"] = (rounded and env["segments"] is None
+                      and configs.out_states_suffice(dtype, dtype)
+                      and _state_config(pb, env, dtype).scan)
+    env["states"] = torch.empty(pb.B, pb.H, env["m"].nc, pb.N, pb.P, device=pb.device,
+                                dtype=dtype if env["rounded"] else torch.float32)
+    return env
 
 
 # kernel_inputs' tensors with a batch axis (the first), which a group of batch entries takes
@@ -201,11 +211,12 @@ def kernel_inputs(pb: Problem, x: dict, pk: Optional[Packing] = None) -> dict:
     return env
 
 
-def prepared_buffers(pb: Problem, pk: Optional[Packing] = None) -> dict:
+def prepared_buffers(pb: Problem, pk: Optional[Packing] = None,
+                     states_dtype: Optional[torch.dtype] = torch.float32) -> dict:
     """The buffers that `prepare_launches` writes (the running angles, the decay pieces,
-    step_terms' tables, the states entering each chunk, and where the serial passes run in
-    segments their segments' tables and final states), by name, with the kernels' constants
-    `m` (kernel_constants)."""
+    step_terms' tables, the states entering each chunk in states_dtype (None: left to the
+    caller), and where the serial passes run in segments their segments' tables and final
+    states), by name, with the kernels' constants `m` (kernel_constants)."""
     m = kernel_constants(pb)
     S_pad, B, H, S = m.S_pad, pb.B, pb.H, pb.S
     f32 = dict(device=pb.device, dtype=torch.float32)
@@ -220,7 +231,9 @@ def prepared_buffers(pb: Problem, pk: Optional[Packing] = None) -> dict:
     numel, views = step_terms.table_views(m)
     buf = torch.empty(numel, **f32)
     env.update({name: buf.as_strided(size, stride, off) for name, size, stride, off in views})
-    env["states"] = torch.empty(B, H, m.nc, pb.N, pb.P, **f32)
+    if states_dtype is not None:
+        env["states"] = torch.empty(B, H, m.nc, pb.N, pb.P, device=pb.device,
+                                    dtype=states_dtype)
     # the serial passes' chains: longer sequences in segments (packed.segments)
     seg = env["segments"] = (packed.segments((m.nc,), B, pb.device) if pk is None else
                              pk.segments)
@@ -234,7 +247,6 @@ def prepare_launches(pb: Problem, env: dict) -> list:
     """The launches that fill `prepare`'s buffers: the running angles, the decay pieces,
     step_terms' tables, then the state pass in the config its shared-memory probe picks."""
     m = env["m"]
-    kpb = dataclasses.replace(pb, C=m.C)
     tables = {name: env[name] for name in ("terms", "cos", "sin")}
     launches = [
         preprocess.angle_sum_launch(angles_raw=env["Angles"], dt=env["DT"],
@@ -245,12 +257,8 @@ def prepare_launches(pb: Problem, env: dict) -> list:
                                        chunk_size=m.C),
         step_terms.launch(angles=env["angles"], da_cs=env["da_cs"], da_cs_rev=env["da_cs_rev"],
                           dt=env["DT"], trap=env["Trap"], consts=m, **tables)]
-    state_args = dict(k=env["K"], v=env["V"], k_bias=env["K_bias"], mimo_v=env["MIMO_V"],
-                      da_cs=env["da_cs"], **tables, states=env["states"], inc=env["states"],
-                      consts=m)
-    cfg = resources.choose(("operator_state", kpb.N, kpb.P, kpb.R, m.C, kpb.RD, pb.dtype),
-                           configs.state_candidates(kpb),
-                           lambda cfg: chunk_state.launches(**state_args, cfg=cfg)[0], pb.device)
+    state_args = _state_args(env, env["states"])
+    cfg = _state_config(pb, env, env["states"].dtype)
     seg = env["segments"]
     if seg is None or not cfg.scan:
         return launches + chunk_state.launches(**state_args, cfg=cfg, init=env["init"],
@@ -260,6 +268,30 @@ def prepare_launches(pb: Problem, env: dict) -> list:
                                            finals=env["finals"]) + [
         chunk_state.join_launch(states=env["states"], finals=env["finals"], da_cs=env["da_cs"],
                                 segments=seg, init=env["init"], consts=m)]
+
+
+def _state_args(env: dict, states: Tensor) -> dict:
+    """The state pass's arguments (chunk_state.launches) but cfg, init and bounds, into
+    `states`: 16-bit states take no fp32 scratch (the fused scan only)."""
+    m = env["m"]
+    rounded = states.dtype != torch.float32
+    return dict(k=env["K"], v=env["V"], k_bias=env["K_bias"], mimo_v=env["MIMO_V"],
+                da_cs=env["da_cs"], terms=env["terms"], cos=env["cos"], sin=env["sin"],
+                states=states, inc=placeholder(states.device) if rounded else states,
+                consts=dataclasses.replace(m, OUT_STATES=True) if rounded else m)
+
+
+def _state_config(pb: Problem, env: dict, dtype: torch.dtype) -> configs.StateConfig:
+    """The state pass's config of a prepared call with states of `dtype`, as the shared-memory
+    probe picks it (on a stand-in of the states: the same config for fp32 and 16-bit states,
+    cached per model)."""
+    m = env["m"]
+    kpb = dataclasses.replace(pb, C=m.C)
+    return resources.choose(
+        ("operator_state", kpb.N, kpb.P, kpb.R, m.C, kpb.RD, pb.dtype),
+        configs.state_candidates(kpb),
+        lambda cfg: chunk_state.launches(
+            **_state_args(env, placeholder(pb.device).to(dtype)), cfg=cfg)[0], pb.device)
 
 
 # Call plans of the operator's launch groups (runtime/plans.py), per (group, the Problem in the
@@ -368,14 +400,15 @@ def tiled_output(x: dict) -> bool:
     return x["MIMO_Out"] is not None and not x["fuse_norm"]
 
 
-# the output stage's outputs that both of its kernels take (chunk_forward's part_w is passed
-# apart); those a mode does not write are the placeholder
-_OUTPUT_STAGE = ("out", "dout", "dz", "dy", "part_o", "part_z")
+# the output stage's outputs that both of its kernels take (chunk_forward's dy and part_w are
+# passed apart); those a mode does not write are the placeholder
+_OUTPUT_STAGE = ("out", "dout", "dz", "part_o", "part_z")
 
 
 def output_launch(pb: Problem, x: dict, env: dict, tiled: bool, grad: bool) -> Launch:
     """The output stage's launch on a prepared call: without `grad` the forward (out), with it
-    the gradient (dz, dy, the partial sums part_o, part_z, part_w, given dout); on
+    the gradient (dz, the partial sums part_o, part_z, part_w, given dout; and on chunk_forward
+    dy = d raw_y, which phase 2 recomputes from dout and z after chunk_output's tiles); on
     chunk_output's tiles with `tiled` (in the config its shared-memory probe picks), else on
     chunk_forward."""
     m, stand = env["m"], placeholder(pb.device)
@@ -386,7 +419,8 @@ def output_launch(pb: Problem, x: dict, env: dict, tiled: bool, grad: bool) -> L
                   sin=env["sin"], segsum=env["segsum"], states=env["states"], consts=m,
                   **{name: opt(name) for name in _OUTPUT_STAGE})
     if not tiled:
-        return chunk_forward.launch(**common, norm_w=opt("norm_w"), part_w=opt("part_w"),
+        return chunk_forward.launch(**common, dy=opt("dy"), norm_w=opt("norm_w"),
+                                    part_w=opt("part_w"),
                                     eps=x["eps"], has_z=pb.has_z, has_d=pb.has_d,
                                     has_out=x["MIMO_Out"] is not None, norm=x["fuse_norm"],
                                     grad=grad)
@@ -441,14 +475,16 @@ def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ..
     states' few small ops are a visible share of a small shape's host time)."""
     pk, lpb, xl = layout(pb, x, x["cu"], final_states=with_states)
     tiled = tiled_output(x)
-    env = prepare(lpb, xl, pk)
+    # chunk_output's tiles alone read the states of a forward without final states: in 16 bits
+    env = prepare(lpb, xl, pk, rounded=tiled and not with_states)
     m = env["m"]
     ranks = () if x["MIMO_Out"] is not None else (pb.R,)
     env["out"] = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=pb.device,
                              dtype=x["Q"].dtype)
     if not tiled:
         env["norm_w"] = _norm_weight(pb, x)
-    launch_all(plan_key("forward", lpb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
+    launch_all(plan_key("forward", lpb, x, env, tiled, x["fuse_norm"], x["eps"],
+                        env["rounded"]), env,
                lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled, False)],
                pb.device)
     out = env["out"]
@@ -696,13 +732,13 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
 
 def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
     """The buffers of the output stage's gradient and phase 2 for a group of pb.B batch entries
-    (prepared_buffers', dy, chunk_grads.chunk_buffers' with a zero final-state gradient), which
-    every group of that size reuses."""
+    (prepared_buffers', chunk_grads.chunk_buffers' with a zero final-state gradient, and dy
+    where chunk_forward runs the output stage), which every group of that size reuses."""
     env = prepared_buffers(pb, pk)
     m = env["m"]
-    env["dy"] = torch.empty(pb.B, m.S_pad, pb.R, pb.H, pb.P, device=pb.device,
-                            dtype=torch.float32)
-    if not tiled_output(x):
+    if not tiled_output(x):  # after chunk_output's tiles, phase 2 recomputes dy
+        env["dy"] = torch.empty(pb.B, m.S_pad, pb.R, pb.H, pb.P, device=pb.device,
+                                dtype=torch.float32)
         env["norm_w"] = _norm_weight(pb, x)
     env.update(chunk_grads.chunk_buffers(m, pb.device))
     return env
@@ -760,9 +796,11 @@ def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
         q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
         mimo_v=env["MIMO_V"], d=placeholder(dev) if env["D"] is None else env["D"],
         terms=env["terms"], cos=env["cos"], sin=env["sin"], da_cs=env["da_cs"],
-        da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env["dy"], states=env["states"],
-        consts=m, precision=m.PREC, bounds=env["chunk_bounds"], d_ends=d_ends, segments=seg,
-        finals=env.get("finals"), **{name: env[name] for name in _PHASE_2_BUFFERS}), dev)
+        da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env.get("dy"),
+        states=env["states"], consts=m, precision=m.PREC, bounds=env["chunk_bounds"],
+        d_ends=d_ends, segments=seg, finals=env.get("finals"),
+        gate=(env["dout"], env["Z"], env["MIMO_Out"], env["MIMO_Z"] if pb.has_z else None)
+        if tiled else None, **{name: env[name] for name in _PHASE_2_BUFFERS}), dev)
     # of the states' gradients only those entering each sequence's first chunk are kept
     sums["d_entering"] = None
     if x["state0"] is not None:
