@@ -224,13 +224,15 @@ def test_layout_covers_every_step_once(cu, C):
 
 @pytest.mark.parametrize("scan", [True, False], ids=["fused_scan", "split_pass"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_start", "given_start"])
-@pytest.mark.parametrize("lengths", [[1, 60, 3], [25, 6, 2, 33]], ids=["one_long", "two_long"])
+@pytest.mark.parametrize("lengths", [[1, 60, 3], [25, 6, 2, 33], [2, 700, 5]],
+                         ids=["one_long", "two_long", "long_segments"])
 def test_sequences_in_segments(monkeypatch, lengths, with_state, scan):
     """Sequences longer than the average cut into segments for the state pass (here of a
     kernel chunk or more: packed.MIN_SEGMENT_CHUNKS = 1), each run from zero and then joined
     (chunk_state.segment_join_kernel) from the sequence's initial state or zero: every output
     and gradient against the float64 reference, fp32 inputs; with the split state pass only
-    the reverse scan runs in segments."""
+    the reverse scan runs in segments. long_segments: segments of more chunks than the join
+    updates at a time (chunk_state.JOIN_CHUNKS), and not a multiple of it."""
     from mamba3_mimo.phases import packed
     monkeypatch.setattr(packed, "MIN_SEGMENT_CHUNKS", 1)
     monkeypatch.setattr(packed, "_LAYOUTS", type(packed._LAYOUTS)())
@@ -250,6 +252,10 @@ def test_sequences_in_segments(monkeypatch, lengths, with_state, scan):
         got_out, got_grads = _run(mamba3_mimo, a, i, cu_seqlens=cu)
     segments = layouts[0].segments
     assert segments is not None and segments.n_segs > len(lengths), segments
+    if len(lengths) == 3 and lengths[1] > 200:
+        from mamba3_mimo.kernels import chunk_state
+        longest = int((segments.bounds[1:] - segments.bounds[:-1]).max())
+        assert longest > chunk_state.JOIN_CHUNKS and longest % chunk_state.JOIN_CHUNKS, longest
     ra, ri = _f64(a, i)
     want_out, want_grads = _run(mamba3_mimo_reference, ra, ri, cu_seqlens=cu.cpu())
     _assert_within(got_out, want_out, "outputs")
