@@ -328,16 +328,16 @@ def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_fi
     if todo:
         before = 0.0  # the log decay of the segment's chunks before this block
         for i0 in range(0, n, CHUNKS):
-            i = i0 + tl.arange(0, CHUNKS)
-            c = lo + i
-            decay = tl.load(ends + c * C, mask=i < n, other=0.0)
+            at_chunk = i0 + tl.arange(0, CHUNKS)
+            c = lo + at_chunk
+            decay = tl.load(ends + c * C, mask=at_chunk < n, other=0.0)
             prior = before + tl.cumsum(decay, 0) - decay  # chunks before c in the segment
             if REVERSE:
                 log_weight = total - prior
             else:
                 log_weight = prior
             at = tl.cast(c, tl.int64)[:, None] * NP_SIZE + e[None, :]
-            mm = (i < n)[:, None] & m[None, :]
+            mm = (at_chunk < n)[:, None] & m[None, :]
             x = tl.load(row + at, mask=mm)
             tl.store(row + at, x + tl.exp(log_weight)[:, None] * carried[None, :], mask=mm)
             before += tl.sum(decay, 0)
