@@ -211,15 +211,20 @@ def test_boundaries_read_once_per_tensor(monkeypatch):
                                    ([0, 1, 2, 3, 70], 16)])
 def test_layout_covers_every_step_once(cu, C):
     """The packed layout's given steps (pos) and pad steps (pads) together are every laid-out
-    step, each once: pack writes the given steps and zeroes the pads into uninitialised memory,
-    so a step in neither would hold garbage. pack equals zeros with the steps copied in."""
+    step, each once, and src takes each given step back from its place: pack gathers every
+    laid-out step from src and zeroes the pads, so a step in neither would hold another step's
+    values. pack equals zeros with the steps copied in, for contiguous and strided inputs."""
     from mamba3_mimo.phases import packed
     pk = packed.packing(cu, C, torch.device(DEVICE))
     both = torch.cat([pk.pos, pk.pads]).sort().values
     assert torch.equal(both.cpu(), torch.arange(pk.S_pack))
-    x = torch.randn(2, cu[-1], 3, device=DEVICE)
-    want = x.new_zeros(2, pk.S_pack, 3).index_copy_(1, pk.pos, x)
-    assert torch.equal(packed.pack(x, 1, pk), want)
+    assert torch.equal(pk.src[pk.pos].cpu(), torch.arange(cu[-1]))
+    for x in (torch.randn(2, cu[-1], 3, device=DEVICE),
+              torch.randn(3, cu[-1], 2, device=DEVICE).transpose(0, 2),
+              torch.randn(2, cu[-1], 1, device=DEVICE).expand(2, cu[-1], 3)):
+        want = x.new_zeros(2, pk.S_pack, 3).index_copy_(1, pk.pos, x)
+        got = packed.pack(x, 1, pk)
+        assert got.is_contiguous() and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["fused_scan", "split_pass"])
