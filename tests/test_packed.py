@@ -211,26 +211,33 @@ def test_boundaries_read_once_per_tensor(monkeypatch):
                                    ([0, 1, 2, 3, 70], 16)])
 def test_layout_covers_every_step_once(cu, C):
     """The packed layout's given steps (pos) and pad steps (pads) together are every laid-out
-    step, each once: pack writes the given steps and zeroes the pads into uninitialised memory,
-    so a step in neither would hold garbage. pack equals zeros with the steps copied in."""
+    step, each once, and src takes each given step back from its place: pack gathers every
+    laid-out step from src and zeroes the pads, so a step in neither would hold another step's
+    values. pack equals zeros with the steps copied in, for contiguous and strided inputs."""
     from mamba3_mimo.phases import packed
     pk = packed.packing(cu, C, torch.device(DEVICE))
     both = torch.cat([pk.pos, pk.pads]).sort().values
     assert torch.equal(both.cpu(), torch.arange(pk.S_pack))
-    x = torch.randn(2, cu[-1], 3, device=DEVICE)
-    want = x.new_zeros(2, pk.S_pack, 3).index_copy_(1, pk.pos, x)
-    assert torch.equal(packed.pack(x, 1, pk), want)
+    assert torch.equal(pk.src[pk.pos].cpu(), torch.arange(cu[-1]))
+    for x in (torch.randn(2, cu[-1], 3, device=DEVICE),
+              torch.randn(3, cu[-1], 2, device=DEVICE).transpose(0, 2),
+              torch.randn(2, cu[-1], 1, device=DEVICE).expand(2, cu[-1], 3)):
+        want = x.new_zeros(2, pk.S_pack, 3).index_copy_(1, pk.pos, x)
+        got = packed.pack(x, 1, pk)
+        assert got.is_contiguous() and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["fused_scan", "split_pass"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero_start", "given_start"])
-@pytest.mark.parametrize("lengths", [[1, 60, 3], [25, 6, 2, 33]], ids=["one_long", "two_long"])
+@pytest.mark.parametrize("lengths", [[1, 60, 3], [25, 6, 2, 33], [2, 700, 5]],
+                         ids=["one_long", "two_long", "long_segments"])
 def test_sequences_in_segments(monkeypatch, lengths, with_state, scan):
     """Sequences longer than the average cut into segments for the state pass (here of a
     kernel chunk or more: packed.MIN_SEGMENT_CHUNKS = 1), each run from zero and then joined
     (chunk_state.segment_join_kernel) from the sequence's initial state or zero: every output
     and gradient against the float64 reference, fp32 inputs; with the split state pass only
-    the reverse scan runs in segments."""
+    the reverse scan runs in segments. long_segments: segments of more chunks than the join
+    updates at a time (chunk_state.JOIN_CHUNKS), and not a multiple of it."""
     from mamba3_mimo.phases import packed
     monkeypatch.setattr(packed, "MIN_SEGMENT_CHUNKS", 1)
     monkeypatch.setattr(packed, "_LAYOUTS", type(packed._LAYOUTS)())
@@ -250,6 +257,10 @@ def test_sequences_in_segments(monkeypatch, lengths, with_state, scan):
         got_out, got_grads = _run(mamba3_mimo, a, i, cu_seqlens=cu)
     segments = layouts[0].segments
     assert segments is not None and segments.n_segs > len(lengths), segments
+    if len(lengths) == 3 and lengths[1] > 200:
+        from mamba3_mimo.kernels import chunk_state
+        longest = int((segments.bounds[1:] - segments.bounds[:-1]).max())
+        assert longest > chunk_state.JOIN_CHUNKS and longest % chunk_state.JOIN_CHUNKS, longest
     ra, ri = _f64(a, i)
     want_out, want_grads = _run(mamba3_mimo_reference, ra, ri, cu_seqlens=cu.cpu())
     _assert_within(got_out, want_out, "outputs")

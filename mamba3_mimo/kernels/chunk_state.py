@@ -256,10 +256,24 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
         tl.store(finals + fo + HALF * P, run2 * decay + inc2, mask=m)
 
 
+@triton.jit
+def _segment_decay(ends, seg_bounds, j, C, CHUNKS: tl.constexpr):
+    """The log decay over segment j's chunks (ends + c * C: the decay over chunk c), summed
+    CHUNKS chunks at a time so that the loads are not one dependent wait per chunk."""
+    lo = tl.load(seg_bounds + j)
+    hi = tl.load(seg_bounds + j + 1)
+    decay = tl.zeros([CHUNKS], dtype=tl.float32)
+    for c0 in range(lo, hi, CHUNKS):
+        c = c0 + tl.arange(0, CHUNKS)
+        decay += tl.load(ends + c * C, mask=c < hi, other=0.0)
+    return tl.sum(decay, 0)
+
+
 @triton.jit(do_not_specialize=["S_pad", "slots"])
 def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_first, seg_last,
                         S_pad, slots, n_bh, C, NP_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                        HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, PDL: tl.constexpr):
+                        CHUNKS: tl.constexpr, HAS_INIT: tl.constexpr, REVERSE: tl.constexpr,
+                        PDL: tl.constexpr):
     """A serial pass run in segments (packed.Segments: long packed sequences, or a dense call's
     chunks at B < 4, the same segments in every batch entry), each from zero, joined: the
     states (or their gradients, REVERSE) of the whole sequences.
@@ -273,14 +287,15 @@ def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_fi
     finals, + exp(their decay) * G), and states[c] += exp(the decay of chunks c .. the
     segment's last) * G_k. states: [H, slots, N, P] fp32 (slots: nc, or nc + 1 for the
     gradients). One program per (segment, h, slice of BLOCK state elements); the chunks of a
-    segment are independent here, so the loop waits for memory about once, not per chunk."""
+    segment are independent here, so they are updated CHUNKS at a time, their weights the
+    exponentials of running sums of the chunks' log decays."""
     after_previous_kernel(PDL, START_NEXT=True)
     k = tl.program_id(0) // n_bh
     bh = tl.cast(tl.program_id(0) % n_bh, tl.int64)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = e < NP_SIZE
     ends = da_cs + bh * S_pad + C - 1  # + c * C: da_cs at the end of chunk c
-    row = states + bh * slots * NP_SIZE + e
+    row = states + bh * slots * NP_SIZE
     lo = tl.load(seg_bounds + k)
     n = tl.load(seg_bounds + k + 1) - lo
     if REVERSE:
@@ -288,19 +303,12 @@ def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_fi
         carried = tl.zeros([BLOCK], dtype=tl.float32)
         for i in range(0, last - k):
             j = last - i
-            decay = 0.0
-            for c in range(tl.load(seg_bounds + j), tl.load(seg_bounds + j + 1)):
-                decay += tl.load(ends + c * C)
             entering = tl.load(finals + (tl.cast(j, tl.int64) * n_bh + bh) * NP_SIZE + e,
                                mask=m, other=0.0)
-            carried = entering + tl.exp(decay) * carried
-        if k < last:
-            weight = 1.0
-            for i in range(0, n):
-                c = lo + n - 1 - i
-                weight = weight * tl.exp(tl.load(ends + c * C))
-                at = tl.cast(c, tl.int64) * NP_SIZE
-                tl.store(row + at, tl.load(row + at, mask=m) + weight * carried, mask=m)
+            carried = entering + tl.exp(_segment_decay(ends, seg_bounds, j, C, CHUNKS)) * carried
+        todo = k < last
+        # chunk c's weight: the decay of chunks c .. the segment's last
+        total = _segment_decay(ends, seg_bounds, k, C, CHUNKS)
     else:
         first = tl.load(seg_first + k)
         if HAS_INIT:
@@ -309,22 +317,31 @@ def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_fi
         else:
             carried = tl.zeros([BLOCK], dtype=tl.float32)
         for j in range(first, k):
-            decay = 0.0
-            for c in range(tl.load(seg_bounds + j), tl.load(seg_bounds + j + 1)):
-                decay += tl.load(ends + c * C)
             final = tl.load(finals + (tl.cast(j, tl.int64) * n_bh + bh) * NP_SIZE + e, mask=m,
                             other=0.0)
-            carried = carried * tl.exp(decay) + final
+            carried = carried * tl.exp(_segment_decay(ends, seg_bounds, j, C, CHUNKS)) + final
         # without an initial state, a sequence's first segment is right as it is (from zero)
         todo = k > first
         if HAS_INIT:
             todo = k >= first
-        if todo:
-            weight = 1.0
-            for i in range(0, n):
-                at = tl.cast(lo + i, tl.int64) * NP_SIZE
-                tl.store(row + at, tl.load(row + at, mask=m) + weight * carried, mask=m)
-                weight = weight * tl.exp(tl.load(ends + (lo + i) * C))
+        total = 0.0
+    if todo:
+        before = 0.0  # the log decay of the segment's chunks before this block
+        for i0 in range(0, n, CHUNKS):
+            at_chunk = i0 + tl.arange(0, CHUNKS)
+            c = lo + at_chunk
+            decay = tl.load(ends + c * C, mask=at_chunk < n, other=0.0)
+            prior = before + tl.cumsum(decay, 0) - decay  # chunks before c in the segment
+            if REVERSE:
+                log_weight = total - prior
+            else:
+                log_weight = prior
+            at = tl.cast(c, tl.int64)[:, None] * NP_SIZE + e[None, :]
+            mm = (at_chunk < n)[:, None] & m[None, :]
+            x = tl.load(row + at, mask=mm)
+            tl.store(row + at, x + tl.exp(log_weight)[:, None] * carried[None, :], mask=mm)
+            before += tl.sum(decay, 0)
+
 
 
 def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: torch.Tensor,
@@ -385,8 +402,10 @@ def launches(*, k: torch.Tensor, v: torch.Tensor, k_bias: torch.Tensor, mimo_v: 
                 dict(num_warps=4, **dependent_launch(m)))]
 
 
-# the join's slice of a state per program
-JOIN_BLOCK = 1024
+# the join's slice of a state per program, and its chunks per step ([8, 512] fp32: 32 values per
+# thread at 4 warps)
+JOIN_BLOCK = 512
+JOIN_CHUNKS = 8
 
 
 def join_launch(*, states: torch.Tensor, finals: torch.Tensor, da_cs: torch.Tensor,
@@ -404,5 +423,6 @@ def join_launch(*, states: torch.Tensor, finals: torch.Tensor, da_cs: torch.Tens
         states=states, finals=finals, init=placeholder(states.device) if init is None else init,
         da_cs=da_cs, seg_bounds=segments.bounds, seg_seq=segments.seq, seg_first=segments.first,
         seg_last=segments.last, S_pad=m.S_pad, slots=states.shape[2], n_bh=n_bh, C=m.C, NP_SIZE=NP,
-        BLOCK=JOIN_BLOCK, HAS_INIT=init is not None, REVERSE=reverse, PDL=m.PDL),
+        BLOCK=JOIN_BLOCK, CHUNKS=JOIN_CHUNKS, HAS_INIT=init is not None, REVERSE=reverse,
+        PDL=m.PDL),
         dict(num_warps=4, **dependent_launch(m)))

@@ -49,8 +49,9 @@ class Segments:
 @dataclass(frozen=True)
 class Packing:
     """The packed layout of one call: n_seq sequences, S given steps, S_pack laid-out steps
-    (whole chunks of C). pos [S]: where each given step lies; pads: the laid-out steps that no
-    given step takes (each sequence's pad chunk and its last chunk's tail); firsts, lasts
+    (whole chunks of C). pos [S]: where each given step lies; src [S_pack]: the given step each
+    laid-out step takes (0 for a pad step); pads: the laid-out steps that no given step takes
+    (each sequence's pad chunk and its last chunk's tail); firsts, lasts
     [n_seq]: where each sequence's first and last steps lie; pad_chunks [n_seq]: each
     sequence's pad chunk (long tensors); chunk_bounds [n_seq + 1] int32: sequence j and its pad
     chunk cover chunks chunk_bounds[j] .. chunk_bounds[j + 1] - 1 (the kernels' VARLEN tables;
@@ -59,6 +60,7 @@ class Packing:
     C: int
     S_pack: int
     pos: Tensor
+    src: Tensor
     pads: Tensor
     firsts: Tensor
     lasts: Tensor
@@ -131,7 +133,9 @@ def _packing(cu: List[int], C: int, device: torch.device) -> Packing:
     pos = torch.arange(cu[-1]) + torch.repeat_interleave(first_chunk * C - cu_t[:-1], lengths)
     taken = torch.zeros(int(bounds[-1]) * C, dtype=torch.bool)
     taken[pos] = True
-    host = dict(pos=pos, pads=(~taken).nonzero().squeeze(1), firsts=first_chunk * C,
+    src = torch.zeros(int(bounds[-1]) * C, dtype=torch.int64)
+    src[pos] = torch.arange(cu[-1])
+    host = dict(pos=pos, src=src, pads=(~taken).nonzero().squeeze(1), firsts=first_chunk * C,
                 lasts=first_chunk * C + lengths - 1,
                 pad_chunks=bounds[1:] - 1, chunk_bounds=bounds.to(torch.int32),
                 step_bounds=(bounds * C).to(torch.int32))
@@ -165,11 +169,10 @@ def segments(chunks: Tuple[int, ...], B: int, device: torch.device) -> Optional[
 
 
 def pack(x: Tensor, dim: int, pk: Packing) -> Tensor:
-    """x with its S steps on dim laid out as pk says, zeros elsewhere (contiguous). Only the pad
-    steps are zeroed: one write of the layout instead of two."""
-    shape = list(x.shape)
-    shape[dim] = pk.S_pack
-    return x.new_empty(shape).index_fill_(dim, pk.pads, 0).index_copy_(dim, pk.pos, x)
+    """x with its S steps on dim laid out as pk says, zeros elsewhere (contiguous): a gather of
+    the layout's steps (index_select reads whole rows at once, where a scatter by index_copy_
+    writes element by element), then the pad steps, which gathered step 0, zeroed."""
+    return x.index_select(dim, pk.src).index_fill_(dim, pk.pads, 0)
 
 
 def unpack(x: Tensor, dim: int, pk: Packing) -> Tensor:
