@@ -386,17 +386,17 @@ def output_candidates(pb: Problem) -> List[OutputConfig]:
 
 # ---------------------------------------------------------------------------- the backward's groups
 
-# The operator's backward holds, for each batch entry it works on, three fp32 buffers that grow
-# with the sequence: the states entering each chunk, their gradients and dy = d raw_y (160 MiB
-# per entry at N128_P64_R4_C16). It runs the entries in groups whose three buffers take at most
-# this many bytes (one entry at a time where one entry's take more), a group's buffers released
-# before the next group's are allocated; the official grid runs one entry at a time
-# (docs/performance-operator.md, "Peak memory").
-BACKWARD_GROUP_BYTES = 64 << 20
+# The operator's backward holds, for each batch entry it works on, fp32 buffers that grow with
+# the sequence: the states entering each chunk and their gradients (128 MiB per entry at
+# N128_P64_R4_C16), and dy = d raw_y where chunk_forward writes it. It runs the entries in
+# groups whose buffers take at most this many bytes (one entry at a time where one entry's take
+# more), on buffers of one group's size that every group reuses; the official grid runs one
+# entry at a time (docs/performance-operator.md, "Peak memory").
+BACKWARD_GROUP_BYTES = 32 << 20
 
 
 def backward_group(B: int, entry_bytes: int) -> int:
-    """The batch entries per group of the operator's backward, for B entries whose three largest
+    """The batch entries per group of the operator's backward, for B entries whose largest
     buffers take entry_bytes each."""
     group = _active.backward_group
     if group is None:

@@ -292,6 +292,21 @@ def test_official_shapes_accuracy(shape):
     are per element), bf16, Z and D on, as training calls it (no final states: the forward on
     chunk_output's tiles; test_initial_state's full-size cases cover the states): the output and
     every gradient within the bf16 threshold of the float64 chunked reference (run on the GPU)."""
+    _official_accuracy(shape)
+
+
+@requires_gpu
+def test_official_batch_in_groups():
+    """Two batch entries of N128_P64_R4_C16 at full length, whose backward runs one entry at a
+    time (configs.backward_group; each entry's serial passes then in segments, joined), as
+    test_official_shapes_accuracy checks one: every gradient within the bf16 threshold of the
+    float64 reference."""
+    shape = next(s for s in official_shapes(B=2) if s.name == "N128_P64_R4_C16")
+    assert configs.backward_group(2, 4 * shape.H * shape.N * shape.P * 2 * 128) == 1
+    _official_accuracy(shape)
+
+
+def _official_accuracy(shape: Shape) -> None:
     args = operator_inputs(shape, torch.float64, seed=seed_for(shape.name))
     ours, _ = _leaves(args, torch.bfloat16, DEVICE, None)
     got_out, got_grads = _run(mamba3_mimo, ours, None, {}, return_state=False)

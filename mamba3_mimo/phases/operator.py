@@ -654,26 +654,39 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     if pb.has_z:
         steps["dz"] = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype)
     inputs = kernel_inputs(lpb, xl, pk)
-    entry_bytes = 4 * H * N * P * (2 * m.nc + 1) + 4 * S_pad * R * H * P
+    # per batch entry: the states entering each chunk and their gradients, and dy where
+    # chunk_forward writes it (fp32)
+    entry_bytes = 4 * H * N * P * (2 * m.nc + 1)
+    if not tiled_output(x):
+        entry_bytes += 4 * S_pad * R * H * P
     group = configs.backward_group(B, entry_bytes)
+    # every group's rows of the tensors with a batch axis, one split each
+    split = (lambda t: (t,)) if group >= B else (lambda t: t.split(group))  # noqa: E731
+    rows = {name: split(t) for name, t in dict(inputs, **steps, dout=dout,
+                                                d_final=d_final).items()
+            if t is not None and (name not in inputs or name in _BATCH_INPUTS)}
     buffers, sums, angle, d_entering = None, [], [], []
-    for b0 in range(0, B, group):
-        rows = slice(b0, min(B, b0 + group))
-        gpb = dataclasses.replace(lpb, B=rows.stop - b0)
+    for i in range(len(rows["dout"])):
+        gpb = dataclasses.replace(lpb, B=len(rows["dout"][i]))
         if buffers is None or buffers["m"].B != gpb.B:
             buffers = None  # the previous group's released first
             buffers = _group_buffers(gpb, x, pk)
-        env = dict(buffers, **(inputs if group >= B else
-                               {n: t if t is None or n not in _BATCH_INPUTS else t[rows]
-                                for n, t in inputs.items()}))
-        env.update({name: t[rows] for name, t in steps.items()}, dout=dout[rows])
-        part = _group_grads(gpb, x, pk, env, None if d_final is None else d_final[rows], d_ends,
-                            d_k is not None)
+        env = dict(buffers, **inputs)
+        env.update({name: t[i] for name, t in rows.items()})
+        part = _group_grads(gpb, x, pk, env, env.pop("d_final", None), d_ends, d_k is not None)
         angle.append(part.pop("angle"))
         d_entering.append(part.pop("d_entering"))
         sums.append(part)
     del buffers, env
     grads = _sum_in_order(sums)
+    # the stacked sums apart, each in a storage of its own (a custom op's outputs may not alias
+    # one another and start at offset 0)
+    zo, bias = grads.pop("zo"), grads.pop("bias")
+    grads.update(Q_bias=bias[0].clone(), K_bias=bias[1].clone())
+    if pb.has_z:
+        grads["MIMO_Z"] = zo[0].clone()
+    if x["MIMO_Out"] is not None:
+        grads["MIMO_Out"] = zo[1].clone()
     angle = None if d_k is None else torch.cat(angle)
     d_entering = None if x["state0"] is None else torch.cat(d_entering)
     # the angles' backward writes d Angles with the strides it reads Angles with
@@ -732,86 +745,91 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
 
 def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
     """The buffers of the output stage's gradient and phase 2 for a group of pb.B batch entries
-    (prepared_buffers', chunk_grads.chunk_buffers' with a zero final-state gradient, and dy
-    where chunk_forward runs the output stage), which every group of that size reuses."""
+    (prepared_buffers', chunk_grads.chunk_buffers' with a zero final-state gradient, the output
+    stage's partial sums, and dy where chunk_forward runs the output stage), which every group
+    of that size reuses."""
     env = prepared_buffers(pb, pk)
     m = env["m"]
+    B, H, P, R, nc = pb.B, pb.H, pb.P, pb.R, m.nc
+    f32 = dict(device=pb.device, dtype=torch.float32)
     if not tiled_output(x):  # after chunk_output's tiles, phase 2 recomputes dy
-        env["dy"] = torch.empty(pb.B, m.S_pad, pb.R, pb.H, pb.P, device=pb.device,
-                                dtype=torch.float32)
+        env["dy"] = torch.empty(B, m.S_pad, R, H, P, **f32)
         env["norm_w"] = _norm_weight(pb, x)
+    if x["fuse_norm"]:
+        env["part_w"] = torch.empty(B * H, nc, P, **f32)
+    # the output stage's per-chunk partial sums of MIMO_Z's and MIMO_Out's gradients, in one
+    # buffer that one sum reduces (a slot is left unwritten where its input is absent)
+    env["part_zo"] = torch.empty(2, B * H, nc, R, P, **f32)
+    env.update(part_z=env["part_zo"][0], part_o=env["part_zo"][1])
     env.update(chunk_grads.chunk_buffers(m, pb.device))
+    seg = env["segments"]
+    env["d_ends"] = None if seg is None else torch.zeros(seg.n_segs, B, H, pb.N, P, **f32)
     return env
 
 
 def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
                  d_final: Optional[Tensor], d_ends: Optional[Tensor], with_angle: bool) -> dict:
-    """The output stage's gradient and phase 2 for one group of batch entries (pb: its Problem
-    in the kernels' layout; x: the call's flags; env: _group_buffers', the group's rows of
-    kernel_inputs', of dout and of the gradients with a step axis, which it writes; d_final:
-    its rows). Returns the group's sums over its entries and chunks of the parameters'
+    """The output stage's gradient and phase 2 for one group of batch entries, as one launch
+    group (pb: its Problem in the kernels' layout; x: the call's flags; env: _group_buffers',
+    the group's rows of kernel_inputs', of dout and of the gradients with a step axis, which it
+    writes; d_final: its rows of the final states' gradient, d_ends: a packed call's per
+    sequence). Returns the group's sums over its entries and chunks of the parameters'
     gradients (by input name), and its rows of the last step's running angle ("angle",
     with_angle) and of the gradient of the state entering the first chunk ("d_entering", with
     an initial state)."""
     m = env["m"]
     B, H, N, P, R, nc = pb.B, pb.H, pb.N, pb.P, pb.R, m.nc
     dev = pb.device
-    f32 = dict(device=dev, dtype=torch.float32)
-    # the output stage's per-chunk partial sums, reduced before phase 2 and not kept
-    if pb.has_z:
-        env["part_z"] = torch.empty(B * H, nc, R, P, **f32)
-    if x["MIMO_Out"] is not None:
-        env["part_o"] = torch.empty(B * H, nc, R, P, **f32)
-    if x["fuse_norm"]:
-        env["part_w"] = torch.empty(B * H, nc, P, **f32)
-    tiled = tiled_output(x)
-    launch_all(plan_key("output_grad", pb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
-               lambda: prepare_launches(pb, env) + [output_launch(pb, x, env, tiled, True)], dev)
-    # of the running angles only the last step's is read below (the kernels read cos and sin)
-    sums = dict(angle=_last_rows(env["angles"], pk, pb.S).clone() if with_angle else None)
-    if pb.has_z:
-        sums["MIMO_Z"] = env.pop("part_z").view(B, H, nc, R, P).sum((0, 2))
-    if x["MIMO_Out"] is not None:
-        sums["MIMO_Out"] = env.pop("part_o").view(B, H, nc, R, P).sum((0, 2))
-    if x["fuse_norm"]:
-        part_w = env.pop("part_w")
-        if x["norm_weight"] is not None:
-            sums["norm_weight"] = part_w.view(B, H, nc, P).sum((0, 2)).reshape(
-                x["norm_weight"].shape)
-        del part_w
-    # the reverse scan starts from the final states' gradient (zero in the buffers as made)
+    # the reverse scan starts from the final states' gradient (zero in the buffers as made);
+    # over segments, from each sequence's in its last segment
     if d_final is not None:
         env["dstates"][:, :, nc] = d_final
     seg = env["segments"]
-    if seg is not None:  # the reverse scan over the segments: each sequence's d_end in its last
-        if pk is not None:
-            src = d_ends
-        elif d_final is not None:
-            src = d_final.reshape(1, B, H, N, P)
-        else:
-            src = torch.zeros(1, B, H, N, P, **f32)
-        d_ends = src.new_zeros(seg.n_segs, *src.shape[1:]).index_copy_(0, seg.ends, src)
-    env["d_ends"] = d_ends
-    launch_all(plan_key("phase_2", pb, x, env), env, lambda: chunk_grads.launches(
-        q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
-        mimo_v=env["MIMO_V"], d=placeholder(dev) if env["D"] is None else env["D"],
-        terms=env["terms"], cos=env["cos"], sin=env["sin"], da_cs=env["da_cs"],
-        da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env.get("dy"),
-        states=env["states"], consts=m, precision=m.PREC, bounds=env["chunk_bounds"],
-        d_ends=d_ends, segments=seg, finals=env.get("finals"),
-        gate=(env["dout"], env["Z"], env["MIMO_Out"], env["MIMO_Z"] if pb.has_z else None)
-        if tiled else None, **{name: env[name] for name in _PHASE_2_BUFFERS}), dev)
+    if seg is None:
+        env["d_ends"] = d_ends  # a packed call's, per sequence (None for a dense call)
+    elif pk is not None or d_final is not None:
+        src = d_ends if pk is not None else d_final.reshape(1, B, H, N, P)
+        env["d_ends"].view(seg.n_segs, -1).index_copy_(0, seg.ends, src.reshape(len(src), -1))
+    tiled = tiled_output(x)
+    launch_all(plan_key("backward", pb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
+               lambda: _group_launches(pb, x, env, tiled), dev)
+    # of the running angles only the last step's is read below (the kernels read cos and sin)
+    sums = dict(angle=_last_rows(env["angles"], pk, pb.S).clone() if with_angle else None,
+                d_entering=None)
     # of the states' gradients only those entering each sequence's first chunk are kept
-    sums["d_entering"] = None
     if x["state0"] is not None:
         dstates = env["dstates"]
         sums["d_entering"] = (dstates[:, :, 0].clone() if pk is None else
                               dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
-    sums.update(Q_bias=env["part_qb"].sum((0, 1)), K_bias=env["part_kb"].sum((0, 1)),
-                MIMO_V=env["part_psi"].view(B, H, nc, R, P).sum((0, 2)))
+    # stacked: MIMO_Z's and MIMO_Out's [2, H, R, P], Q_bias's and K_bias's [2, H, R, N]
+    sums["zo"] = env["part_zo"].view(2, B, H, nc, R, P).sum((1, 3))
+    sums["bias"] = env["part_bias"].sum((1, 2))
+    if x["norm_weight"] is not None:
+        sums["norm_weight"] = env["part_w"].view(B, H, nc, P).sum((0, 2)).reshape(
+            x["norm_weight"].shape)
+    sums["MIMO_V"] = env["part_psi"].view(B, H, nc, R, P).sum((0, 2))
     if pb.has_d:
         sums["D"] = env["part_d"].view(B, H, nc).sum((0, 2))
     return sums
+
+
+def _group_launches(pb: Problem, x: dict, env: dict, tiled: bool) -> list:
+    """A group's launches: the preparation (prepare_launches), the output stage's gradient and
+    phase 2 (chunk_grads.launches, dy recomputed after chunk_output's tiles)."""
+    stand = placeholder(pb.device)
+    gate = None
+    if tiled:
+        gate = (env["dout"], env["Z"], env["MIMO_Out"], env["MIMO_Z"] if pb.has_z else None)
+    return prepare_launches(pb, env) + [output_launch(pb, x, env, tiled, True)] + \
+        chunk_grads.launches(
+            q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
+            mimo_v=env["MIMO_V"], d=stand if env["D"] is None else env["D"],
+            terms=env["terms"], cos=env["cos"], sin=env["sin"], da_cs=env["da_cs"],
+            da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env.get("dy"),
+            states=env["states"], consts=env["m"], precision=env["m"].PREC,
+            bounds=env["chunk_bounds"], d_ends=env["d_ends"], segments=env["segments"],
+            finals=env.get("finals"), gate=gate,
+            **{name: env[name] for name in _PHASE_2_BUFFERS})
 
 
 # the buffers that phase 2 writes (chunk_grads.launches' outputs and scratch)
