@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..runtime.launcher import Launch
 from . import next_pow2
-from .common import chunk_rows, load_rotated, mac
+from .common import chunk_rows, load_rotated, mac, store_or_add
 from .whole_chunk import (chunk_pointers, chunk_terms, pair_block, psiv_block,
                           rows_of_steps, state_block)
 
@@ -92,7 +92,8 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
     all P columns at once (BP >= P). z, dout, out, dy, dz are contiguous over [B, S_pad, ...]:
     z, dz [.., H, P] (dz in any float dtype, each element rounded once); out and dout
     [.., H, P] with MIMO_Out, [.., R, H, P] without; dy [.., R, H, P] fp32. part_o, part_z
-    [B*H, nc, R, P] and part_w [B*H, nc, P] fp32; states [B, H, nc, N, P] fp32 (entering each
+    [B*H, nc, R, P] and part_w [B*H, nc, P] fp32, which GRAD adds its partial sums to
+    (common.store_or_add); states [B, H, nc, N, P] fp32 (entering each
     chunk)."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
@@ -156,16 +157,16 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         rank_ok = (rk < R)[:, None] & pm[None, :]
         g_y = do * phi * gate  # d loss / d y
         if HAS_OUT:
-            tl.store(part_o + part, _step_sums(do * gate * y, RP), mask=rank_ok)
+            store_or_add(part_o + part, _step_sums(do * gate * y, RP), rank_ok, True)
         if HAS_Z:
             # silu'(u) = sig (1 + u (1 - sig))
             du = do * phi * y * sig * (1.0 + u * (1.0 - sig))
-            tl.store(part_z + part, _step_sums(du * zr, RP), mask=rank_ok)
+            store_or_add(part_z + part, _step_sums(du * zr, RP), rank_ok, True)
             tl.store(dz + s_at + s_row[:, None] + p[None, :],
                      _rank_sums(du * zeta, RP).to(dz.dtype.element_ty), mask=tp_ok)
         if NORM:
-            tl.store(part_w + (bh * nc + c) * P + p, tl.sum(g_y * raw * rstd[:, None], axis=0),
-                     mask=pm)
+            store_or_add(part_w + (bh * nc + c) * P + p,
+                         tl.sum(g_y * raw * rstd[:, None], axis=0), pm, True)
             g_raw = tl.sum(g_y * nw[None, :] * raw, axis=1)  # sum_p w g_y raw_y
             d_raw = (rstd[:, None] * nw[None, :] * g_y
                      - raw * (rstd * rstd * rstd * g_raw / P)[:, None])

@@ -34,7 +34,7 @@ from ..runtime.launcher import Launch
 from ..runtime.plans import placeholder
 from . import cdiv, chunk_state, input_align, next_pow2
 from .common import (chain, chunk_rows, load_cos_sin, load_mimo_v, load_pair_columns,
-                     load_rotated, mac, rotate_pairs)
+                     load_rotated, mac, rotate_pairs, store_or_add)
 from .step_terms import Q_DECAY
 from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, dy_block, pair_block,
                           psiv_block, rows_of_steps, state_block, step_sums, steps_of_rows)
@@ -158,13 +158,13 @@ def _head_chunk(q, k, v, mimo_v, cos, sin, terms, segsum, dy_in, t, r, b, h, c, 
 
 @triton.jit
 def _bias_share(part, part_off, val, part_mask):
-    """val, a head's block of dQ or dK rotated back ([rows, BJ]), returned after storing its sums
-    over the steps ([RP, BJ], the head's share of its bias gradient) at part[part_off]."""
+    """val, a head's block of dQ or dK rotated back ([rows, BJ]), returned after adding its sums
+    over the steps ([RP, BJ], the head's share of its bias gradient) to part[part_off]."""
     TPR: tl.constexpr = val.shape[0]
     BJ: tl.constexpr = val.shape[1]
     RP: tl.constexpr = part_off.shape[0]
-    tl.store(part + part_off, tl.sum(tl.reshape(val, (TPR // RP, RP, BJ)), axis=0),
-             mask=part_mask)
+    store_or_add(part + part_off, tl.sum(tl.reshape(val, (TPR // RP, RP, BJ)), axis=0),
+                 part_mask, True)
     return val
 
 
@@ -180,8 +180,9 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
     dstates[c + 1]^T on one block of BJ pair columns, rotated back and summed over the heads of a
     group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
     programs that read the same dy run together); the group's heads in turn, each with its own
-    dP = dY PsiV^T over P in blocks of BP columns. Writes dq, dk [B, S_pad, R, G, N], each head's
-    share of the bias gradients (part_qb, part_kb [B, nc, H, R, N]), d_angles [B, S_pad, H, RD]
+    dP = dY PsiV^T over P in blocks of BP columns. Writes dq, dk [B, S_pad, R, G, N], adds each
+    head's share of the bias gradients to part_qb, part_kb [B, nc, H, R, N] (common.store_or_add),
+    writes d_angles [B, S_pad, H, RD]
     on the block's pairs, and for chunk_grads_v_kernel the block's shares of sum_n Qr dQr's
     inter-chunk term per step (part_cs [n_jb, B*H, S_pad]) and of <dstates[c + 1], states[c]>
     (part_carried [n_jb, B*H, nc]); all fp32."""
@@ -276,8 +277,8 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     gradients, per (b*h, chunk) (b*h fastest: a group's heads read the same q and k together).
     Sc in one walk over N in blocks of BJ pairs; then per block of BP columns of P, Kr
     dstates[c + 1] in a second walk over N, dP = dY PsiV^T and dPsiV, which gives dv
-    [B, S_pad, H, P], the chunk's shares of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d
-    [B*H, nc], HAS_D). Then d_gamma, d_trap_scale and d_adt [B, H, S_pad] from Sc dP summed over
+    [B, S_pad, H, P] and the chunk's shares of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d
+    [B*H, nc], HAS_D), these two added to what is there (common.store_or_add). Then d_gamma, d_trap_scale and d_adt [B, H, S_pad] from Sc dP summed over
     the ranks and chunk_grads_qk_kernel's shares part_cs, part_carried (added over its n_jb
     blocks in order); all fp32."""
     pid = tl.program_id(0)
@@ -324,10 +325,12 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
         tl.store(dv + v_base + ts[:, None] * H * P + p[None, :],
                  tl.sum(dpv3 * mv[None], axis=1).to(dv.dtype.element_ty),
                  mask=steps[:, None] & pm[None, :])
-        tl.store(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
-                 tl.sum(dpv3 * xv[:, None, :], axis=0), mask=(rk < R)[:, None] & pm[None, :])
+        store_or_add(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
+                     tl.sum(dpv3 * xv[:, None, :], axis=0), (rk < R)[:, None] & pm[None, :],
+                     True)
     if HAS_D:
-        tl.store(part_d + bh * nc + c, d_sum)
+        # added to the groups' before, as store_or_add does for the blocks
+        tl.store(part_d + bh * nc + c, tl.load(part_d + bh * nc + c) + d_sum)
     # chunk_grads_qk_kernel's shares, added over its pair blocks in order
     d_cs = tl.zeros([TP], dtype=tl.float32)  # sum_n Qr dQr's inter-chunk term per step
     carried = 0.0  # <dstates[c + 1], states[c]>
@@ -473,7 +476,8 @@ def step_buffers(consts, device, dq_dtype: torch.dtype = torch.float32,
 def chunk_buffers(consts, device, d_final_state=None) -> dict:
     """The per-chunk outputs of `launches` and their scratch, allocated: the shares of the bias
     gradients part_qb, part_kb [B, nc, H, R, N] (the two halves of part_bias, so that one sum
-    reduces both), of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc]), dstates
+    reduces both), of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc]), zero, which
+    the launches add to (groups of batch entries run on the same buffers accumulate), dstates
     [B, H, nc + 1, N, P] whose last entry holds d_final_state [B, H, N, P] (zero when None),
     which the reverse scan reads and does not write, and chunk_grads_qk's shares for
     chunk_grads_v; fp32."""
@@ -488,10 +492,10 @@ def chunk_buffers(consts, device, d_final_state=None) -> dict:
         dstates[:, :, nc].zero_()
     else:
         dstates[:, :, nc] = d_final_state
-    part_bias = torch.empty(2, B, nc, H, R, N, **f32)
+    part_bias = torch.zeros(2, B, nc, H, R, N, **f32)
     return dict(part_bias=part_bias, part_qb=part_bias[0], part_kb=part_bias[1],
-                part_psi=torch.empty(B * H, nc, R, P, **f32),
-                part_d=torch.empty(B * H, nc, **f32), dstates=dstates,
+                part_psi=torch.zeros(B * H, nc, R, P, **f32),
+                part_d=torch.zeros(B * H, nc, **f32), dstates=dstates,
                 part_cs=torch.empty(n_jb, B * H, m.S_pad, **f32),
                 part_carried=torch.empty(n_jb, B * H, nc, **f32))
 

@@ -203,7 +203,9 @@ def _tile(q, k, v, dout, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, terms, co
                 mimo_z + h * R * P, R, p, pm, P, svp, dz + t_base, t_rows, HAS_Z,
                 2 if OPAQUE else 1)  # the sigmoid: inline asm
             part = (bh * n_tiles + o) * R * P
-            store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z)
+            # GRAD: added to the sums of the groups of batch entries before (common.store_or_add)
+            store_rank_sums(part_o + part, part_z + part, sum_o, sum_z, R, p, pm, P, RP, HAS_Z,
+                            MODE == GRAD)
             if not CAREFUL and MODE == BWD_FWD:
                 # after the barrier, which orders it after the program's clearing of the flag;
                 # any thread whose sum is not finite (0 * NaN or Inf is NaN) sets it
@@ -357,8 +359,9 @@ def operator_launch(*, grad: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """The whole operator's launch (MIMO_Out given, no fused norm), over padded inputs as
     `launches` reads them: without `grad` (FORWARD) it writes out [B, S_pad, H, P] in out's
     dtype; with it (GRAD), given dout [B, S_pad, H, P], dz [B, S_pad, H, P] (with Z) and the
-    per-tile partial sums of the gradients of MIMO_Out and MIMO_Z, part_o and part_z
-    [B*H, n_tiles, R, P] fp32 (phase 2 recomputes d raw_y from dout and z). Tensors a mode does not write or
+    per-tile partial sums of the gradients of MIMO_Out and MIMO_Z, added to part_o and part_z
+    [B*H, n_tiles, R, P] fp32 (common.store_or_add; phase 2 recomputes d raw_y from dout and
+    z). Tensors a mode does not write or
     read may be stand-ins. No rerun of tiles that meet a non-finite value (bwd_fwd's CAREFUL):
     within a tile, a NaN or Inf of a later step reaches the outputs of earlier ones."""
     kwargs = _arguments(q=q, k=k, v=v, dout=dout, z=z, q_bias=q_bias, k_bias=k_bias,

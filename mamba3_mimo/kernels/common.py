@@ -357,14 +357,26 @@ def prefetch_steps(base, t_off, t_mask, p0, stride_p, BP: tl.constexpr, LEVEL: t
 
 @triton.jit
 def store_rank_sums(o_ptr, z_ptr, acc_o, acc_z, R, p, p_mask, P, RS: tl.constexpr,
-                    HAS_Z: tl.constexpr):
-    """Store [RS, BP] per-rank sums (rank on the rows) into the [R, P] blocks at o_ptr/z_ptr."""
+                    HAS_Z: tl.constexpr, ADD: tl.constexpr = False):
+    """Store [RS, BP] per-rank sums (rank on the rows) into the [R, P] blocks at o_ptr/z_ptr, or
+    with ADD add them there (store_or_add)."""
     r = tl.arange(0, RS)
     m = (r < R)[:, None] & p_mask[None, :]
     off = r[:, None] * P + p[None, :]
-    tl.store(o_ptr + off, acc_o, mask=m)
+    store_or_add(o_ptr + off, acc_o, m, ADD)
     if HAS_Z:
-        tl.store(z_ptr + off, acc_z, mask=m)
+        store_or_add(z_ptr + off, acc_z, m, ADD)
+
+
+@triton.jit
+def store_or_add(ptr, val, mask, ADD: tl.constexpr):
+    """Store val at ptr, or with ADD add it to what is there: the operator's backward runs its
+    groups of batch entries one after another on the same buffers, whose per-chunk partial
+    sums then accumulate over the groups in their order (deterministic), each element written
+    by one program of a launch."""
+    if ADD:
+        val += tl.load(ptr, mask=mask, other=0.0)
+    tl.store(ptr, val, mask=mask)
 
 
 @triton.jit

@@ -669,14 +669,16 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     for i in range(len(rows["dout"])):
         gpb = dataclasses.replace(lpb, B=len(rows["dout"][i]))
         if buffers is None or buffers["m"].B != gpb.B:
-            buffers = None  # the previous group's released first
+            if buffers is not None:  # a last, smaller group: the larger groups' sums first
+                sums.append(_parameter_sums(x, buffers))
+            buffers = None  # released before the next group's are allocated
             buffers = _group_buffers(gpb, x, pk)
         env = dict(buffers, **inputs)
         env.update({name: t[i] for name, t in rows.items()})
         part = _group_grads(gpb, x, pk, env, env.pop("d_final", None), d_ends, d_k is not None)
-        angle.append(part.pop("angle"))
-        d_entering.append(part.pop("d_entering"))
-        sums.append(part)
+        angle.append(part["angle"])
+        d_entering.append(part["d_entering"])
+    sums.append(_parameter_sums(x, buffers))
     del buffers, env
     grads = _sum_in_order(sums)
     # the stacked sums apart, each in a storage of its own (a custom op's outputs may not alias
@@ -747,7 +749,7 @@ def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
     """The buffers of the output stage's gradient and phase 2 for a group of pb.B batch entries
     (prepared_buffers', chunk_grads.chunk_buffers' with a zero final-state gradient, the output
     stage's partial sums, and dy where chunk_forward runs the output stage), which every group
-    of that size reuses."""
+    of that size reuses, the per-chunk partial sums accumulating over the groups."""
     env = prepared_buffers(pb, pk)
     m = env["m"]
     B, H, P, R, nc = pb.B, pb.H, pb.P, pb.R, m.nc
@@ -755,11 +757,12 @@ def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
     if not tiled_output(x):  # after chunk_output's tiles, phase 2 recomputes dy
         env["dy"] = torch.empty(B, m.S_pad, R, H, P, **f32)
         env["norm_w"] = _norm_weight(pb, x)
+    # the output stage's per-chunk partial sums of the norm weight's, MIMO_Z's and MIMO_Out's
+    # gradients, zero: the groups add theirs (common.store_or_add); the last two in one buffer
+    # that one sum reduces (a slot stays zero where its input is absent)
     if x["fuse_norm"]:
-        env["part_w"] = torch.empty(B * H, nc, P, **f32)
-    # the output stage's per-chunk partial sums of MIMO_Z's and MIMO_Out's gradients, in one
-    # buffer that one sum reduces (a slot is left unwritten where its input is absent)
-    env["part_zo"] = torch.empty(2, B * H, nc, R, P, **f32)
+        env["part_w"] = torch.zeros(B * H, nc, P, **f32)
+    env["part_zo"] = torch.zeros(2, B * H, nc, R, P, **f32)
     env.update(part_z=env["part_zo"][0], part_o=env["part_zo"][1])
     env.update(chunk_grads.chunk_buffers(m, pb.device))
     seg = env["segments"]
@@ -773,13 +776,10 @@ def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
     group (pb: its Problem in the kernels' layout; x: the call's flags; env: _group_buffers',
     the group's rows of kernel_inputs', of dout and of the gradients with a step axis, which it
     writes; d_final: its rows of the final states' gradient, d_ends: a packed call's per
-    sequence). Returns the group's sums over its entries and chunks of the parameters'
-    gradients (by input name), and its rows of the last step's running angle ("angle",
-    with_angle) and of the gradient of the state entering the first chunk ("d_entering", with
-    an initial state)."""
-    m = env["m"]
-    B, H, N, P, R, nc = pb.B, pb.H, pb.N, pb.P, pb.R, m.nc
-    dev = pb.device
+    sequence); the kernels add its share to the parameters' per-chunk partial sums. Returns its
+    rows of the last step's running angle ("angle", with_angle) and of the gradient of the
+    state entering the first chunk ("d_entering", with an initial state)."""
+    B, H, N, P, nc = pb.B, pb.H, pb.N, pb.P, env["m"].nc
     # the reverse scan starts from the final states' gradient (zero in the buffers as made);
     # over segments, from each sequence's in its last segment
     if d_final is not None:
@@ -792,23 +792,32 @@ def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
         env["d_ends"].view(seg.n_segs, -1).index_copy_(0, seg.ends, src.reshape(len(src), -1))
     tiled = tiled_output(x)
     launch_all(plan_key("backward", pb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
-               lambda: _group_launches(pb, x, env, tiled), dev)
+               lambda: _group_launches(pb, x, env, tiled), pb.device)
     # of the running angles only the last step's is read below (the kernels read cos and sin)
-    sums = dict(angle=_last_rows(env["angles"], pk, pb.S).clone() if with_angle else None,
-                d_entering=None)
+    out = dict(angle=_last_rows(env["angles"], pk, pb.S).clone() if with_angle else None,
+               d_entering=None)
     # of the states' gradients only those entering each sequence's first chunk are kept
     if x["state0"] is not None:
         dstates = env["dstates"]
-        sums["d_entering"] = (dstates[:, :, 0].clone() if pk is None else
-                              dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
-    # stacked: MIMO_Z's and MIMO_Out's [2, H, R, P], Q_bias's and K_bias's [2, H, R, N]
-    sums["zo"] = env["part_zo"].view(2, B, H, nc, R, P).sum((1, 3))
-    sums["bias"] = env["part_bias"].sum((1, 2))
+        out["d_entering"] = (dstates[:, :, 0].clone() if pk is None else
+                             dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
+    return out
+
+
+def _parameter_sums(x: dict, env: dict) -> dict:
+    """The parameters' gradients from the per-chunk partial sums that the groups on env's
+    buffers accumulated, by input name: summed over the entries of a group and the chunks, the
+    stacked ones still stacked (MIMO_Z's and MIMO_Out's as "zo" [2, H, R, P], Q_bias's and
+    K_bias's as "bias" [2, H, R, N])."""
+    m = env["m"]
+    B, H, R, P, nc = m.B, m.H, m.R, m.P, m.nc
+    sums = dict(zo=env["part_zo"].view(2, B, H, nc, R, P).sum((1, 3)),
+                bias=env["part_bias"].sum((1, 2)),
+                MIMO_V=env["part_psi"].view(B, H, nc, R, P).sum((0, 2)))
     if x["norm_weight"] is not None:
         sums["norm_weight"] = env["part_w"].view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
-    sums["MIMO_V"] = env["part_psi"].view(B, H, nc, R, P).sum((0, 2))
-    if pb.has_d:
+    if m.HAS_D:
         sums["D"] = env["part_d"].view(B, H, nc).sum((0, 2))
     return sums
 
