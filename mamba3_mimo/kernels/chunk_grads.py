@@ -427,7 +427,7 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
                                terms=terms, cos=cos, sin=sin, da_cs=da_cs, da_cs_rev=da_cs_rev,
                                segsum=segsum, dy=dy, states=states, consts=consts,
                                precision=precision, bounds=bounds, d_ends=d_ends, gate=gate,
-                               **{n: t for n, t in out.items() if n != "part_bias"}):
+                               **out):
             launch.run()
     return out
 
@@ -475,9 +475,9 @@ def step_buffers(consts, device, dq_dtype: torch.dtype = torch.float32,
 
 def chunk_buffers(consts, device, d_final_state=None) -> dict:
     """The per-chunk outputs of `launches` and their scratch, allocated: the shares of the bias
-    gradients part_qb, part_kb [B, nc, H, R, N] (the two halves of part_bias, so that one sum
-    reduces both), of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc]), zero, which
-    the launches add to (groups of batch entries run on the same buffers accumulate), dstates
+    gradients part_qb, part_kb [B, nc, H, R, N], of dPsi (part_psi [B*H, nc, R, P]) and dD
+    (part_d [B*H, nc]), zero, which the launches add to (groups of batch entries run on the
+    same buffers accumulate), dstates
     [B, H, nc + 1, N, P] whose last entry holds d_final_state [B, H, N, P] (zero when None),
     which the reverse scan reads and does not write, and chunk_grads_qk's shares for
     chunk_grads_v; fp32."""
@@ -492,8 +492,8 @@ def chunk_buffers(consts, device, d_final_state=None) -> dict:
         dstates[:, :, nc].zero_()
     else:
         dstates[:, :, nc] = d_final_state
-    part_bias = torch.zeros(2, B, nc, H, R, N, **f32)
-    return dict(part_bias=part_bias, part_qb=part_bias[0], part_kb=part_bias[1],
+    return dict(part_qb=torch.zeros(B, nc, H, R, N, **f32),
+                part_kb=torch.zeros(B, nc, H, R, N, **f32),
                 part_psi=torch.zeros(B * H, nc, R, P, **f32),
                 part_d=torch.zeros(B * H, nc, **f32), dstates=dstates,
                 part_cs=torch.empty(n_jb, B * H, m.S_pad, **f32),

@@ -681,14 +681,6 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     sums.append(_parameter_sums(x, buffers))
     del buffers, env
     grads = _sum_in_order(sums)
-    # the stacked sums apart, each in a storage of its own (a custom op's outputs may not alias
-    # one another and start at offset 0)
-    zo, bias = grads.pop("zo"), grads.pop("bias")
-    grads.update(Q_bias=bias[0].clone(), K_bias=bias[1].clone())
-    if pb.has_z:
-        grads["MIMO_Z"] = zo[0].clone()
-    if x["MIMO_Out"] is not None:
-        grads["MIMO_Out"] = zo[1].clone()
     angle = None if d_k is None else torch.cat(angle)
     d_entering = None if x["state0"] is None else torch.cat(d_entering)
     # the angles' backward writes d Angles with the strides it reads Angles with
@@ -758,12 +750,13 @@ def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
         env["dy"] = torch.empty(B, m.S_pad, R, H, P, **f32)
         env["norm_w"] = _norm_weight(pb, x)
     # the output stage's per-chunk partial sums of the norm weight's, MIMO_Z's and MIMO_Out's
-    # gradients, zero: the groups add theirs (common.store_or_add); the last two in one buffer
-    # that one sum reduces (a slot stays zero where its input is absent)
+    # gradients, zero: the groups add theirs (common.store_or_add)
     if x["fuse_norm"]:
         env["part_w"] = torch.zeros(B * H, nc, P, **f32)
-    env["part_zo"] = torch.zeros(2, B * H, nc, R, P, **f32)
-    env.update(part_z=env["part_zo"][0], part_o=env["part_zo"][1])
+    if pb.has_z:
+        env["part_z"] = torch.zeros(B * H, nc, R, P, **f32)
+    if x["MIMO_Out"] is not None:
+        env["part_o"] = torch.zeros(B * H, nc, R, P, **f32)
     env.update(chunk_grads.chunk_buffers(m, pb.device))
     seg = env["segments"]
     env["d_ends"] = None if seg is None else torch.zeros(seg.n_segs, B, H, pb.N, P, **f32)
@@ -806,14 +799,14 @@ def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
 
 def _parameter_sums(x: dict, env: dict) -> dict:
     """The parameters' gradients from the per-chunk partial sums that the groups on env's
-    buffers accumulated, by input name: summed over the entries of a group and the chunks, the
-    stacked ones still stacked (MIMO_Z's and MIMO_Out's as "zo" [2, H, R, P], Q_bias's and
-    K_bias's as "bias" [2, H, R, N])."""
+    buffers accumulated, by input name: summed over the entries of a group and the chunks."""
     m = env["m"]
     B, H, R, P, nc = m.B, m.H, m.R, m.P, m.nc
-    sums = dict(zo=env["part_zo"].view(2, B, H, nc, R, P).sum((1, 3)),
-                bias=env["part_bias"].sum((1, 2)),
+    sums = dict(Q_bias=env["part_qb"].sum((0, 1)), K_bias=env["part_kb"].sum((0, 1)),
                 MIMO_V=env["part_psi"].view(B, H, nc, R, P).sum((0, 2)))
+    for name, part in (("MIMO_Z", "part_z"), ("MIMO_Out", "part_o")):
+        if part in env:
+            sums[name] = env[part].view(B, H, nc, R, P).sum((0, 2))
     if x["norm_weight"] is not None:
         sums["norm_weight"] = env["part_w"].view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
