@@ -11,7 +11,8 @@ those the rules pick on a GPU of that capability (configs.measured_arch). --no-z
 off; --out-f32: float32 outputs instead of bfloat16; --ptx-dir: also write each kernel's PTX and
 TTGIR there; --override: fields of configs.override as JSON, candidate lists as lists of dicts,
 e.g. '{"output": [{"BJ": 32, "BP": 64, "maxnreg": 128}], "tile_chunks": 1}'; --json: a last
-line "RESOURCES {json}" with {kernel: {registers, stack, shared, num_warps}}.
+line "RESOURCES {json}" with {kernel: {registers, stack, shared, num_warps, rounds}} (rounds: the
+times its code waits for global memory, load_rounds).
 
 It must run in a process of its own without TRITON_INTERPRET: Triton picks the interpreter when
 the kernels are decorated, and interpreted kernels compile nothing. Nothing is launched: the call
@@ -212,14 +213,64 @@ def resource_usage(kernel) -> Tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+_REG = re.compile(r"%[a-z]+\d+")
+
+
+def load_rounds(ptx: str) -> int:
+    """How many times a kernel's code waits for global memory, each basic block (a loop's body)
+    counted once, read from its PTX: loads issued with no wait between them form a burst, and a
+    round is a wait for a pending burst, either the first read of a pending load's register in a
+    stretch between two barriers (ptxas may hoist loads to the stretch's start, not across a
+    barrier) or a wgmma's proxy fence with loads in flight (it waits for every access in
+    flight). A wait completes the burst it reads and every earlier one; copies wait for
+    nothing. An estimate of latency exposed, not a timing: fewer rounds at the same work is
+    what a program that issues its loads together shows."""
+    rounds, pending, burst, waited = 0, [], 0, False
+    for line in ptx.splitlines():
+        s = line.split("//")[0].strip()
+        if re.match(r"^\$L__BB\d+_\d+:", s):
+            pending, waited = [], False
+            continue
+        if not s or s[0] in ".{}":
+            continue
+        body = re.sub(r"^@!?%p\d+\s+", "", s)
+        op = body.split()[0]
+        regs = _REG.findall(body)
+        if op.startswith("ld.global"):
+            pending.append((set(_REG.findall(body[:body.index("[")])), burst))
+            continue
+        if op.startswith("fence.proxy.async"):
+            hit, waited = list(pending), False
+        elif op.startswith("bar.sync") or op.startswith("barrier"):
+            waited = False
+            continue
+        else:
+            srcs = set(regs) if op.startswith("st.") else set(regs[1:])
+            hit = [(d, b) for d, b in pending if d & srcs]
+            if hit and op.startswith("mov"):
+                for d, _ in hit:
+                    d.add(regs[0])
+                continue
+        if hit:
+            rounds += 0 if waited else 1
+            waited = True
+            last = max(b for _, b in hit)
+            pending = [(d, b) for d, b in pending if b > last]
+            burst += 1
+    return rounds
+
+
 def compiled_resources(shape: Shape, arch: int = 90, z_gate: bool = True,
                        output_dtype: torch.dtype = torch.bfloat16,
                        overrides: Optional[dict] = None, ptx_dir: Optional[str] = None,
                        echo: bool = False, operator: bool = False,
                        fused_norm: bool = False) -> Dict[str, dict]:
-    """{kernel name: dict(registers, stack, shared, num_warps)} of one call's kernels compiled
-    for compute capability `arch` (call_launches); echo prints a line per kernel as it comes."""
+    """{kernel name: dict(registers, stack, shared, num_warps, rounds)} of one call's kernels
+    compiled for compute capability `arch` (call_launches; rounds: load_rounds); echo prints a
+    line per kernel as it comes."""
     res = {}
+    if ptx_dir:
+        os.makedirs(ptx_dir, exist_ok=True)
     launches = (operator_launches(shape, arch, z_gate, fused_norm, overrides) if operator
                 else call_launches(shape, arch, z_gate, output_dtype, overrides))
     for fn, _, args, options in launches:
@@ -234,14 +285,14 @@ def compiled_resources(shape: Shape, arch: int = 90, z_gate: bool = True,
         if "MODE" in fn.arg_names:  # chunk_output's forms: bwd_fwd's, the operator's two
             name += ("", ".forward", ".grad")[args[fn.arg_names.index("MODE")]]
         res[name] = dict(registers=regs, stack=stack, shared=kernel.metadata.shared,
-                         num_warps=options.get("num_warps"))
+                         num_warps=options.get("num_warps"), rounds=load_rounds(kernel.asm["ptx"]))
         if ptx_dir:  # for reading load widths, layouts and conversions
             for ext in ("ptx", "ttgir"):
                 with open(os.path.join(ptx_dir, f"{name}.{ext}"), "w") as f:
                     f.write(kernel.asm[ext])
         if echo:
             print(f"{name:28s} warps={options.get('num_warps')} REG:{regs} STACK:{stack} "
-                  f"shared={kernel.metadata.shared}", flush=True)
+                  f"shared={kernel.metadata.shared} rounds={res[name]['rounds']}", flush=True)
     return res
 
 

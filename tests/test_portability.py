@@ -105,3 +105,24 @@ def test_dependent_launches(tmp_path):
         ptx = (tmp_path / f"{name}.ptx").read_text()
         assert "griddepcontrol.wait" in ptx, name
         assert ("griddepcontrol.launch_dependents" in ptx) == (name != "step_terms_kernel"), name
+
+
+# load_rounds reads PTX text only: these cases need no ptxas
+_LOAD = "ld.global.v2.b32 {{%r{0}, %r{1}}}, [%rd{0}];"
+
+
+def test_load_rounds_counts_waits_for_memory():
+    """Loads whose first reads share a stretch between barriers cost one round; a read after a
+    barrier of a load issued after the first wait costs another; a copy of a pending register
+    waits for nothing, its first real read does; a wgmma's fence waits for loads in flight; each
+    basic block starts with nothing pending."""
+    together = [_LOAD.format(1, 2), _LOAD.format(3, 4), "add.f32 %r9, %r1, %r3;",
+                "bar.sync 0;", "add.f32 %r10, %r2, %r4;"]
+    assert offline.load_rounds("\n".join(together)) == 1
+    apart = [_LOAD.format(1, 2), "add.f32 %r9, %r1, %r1;", "bar.sync 0;", _LOAD.format(3, 4),
+             "mov.b32 %r11, %r3;", "bar.sync 0;", "add.f32 %r10, %r11, %r4;"]
+    assert offline.load_rounds("\n".join(apart)) == 2
+    fenced = [_LOAD.format(1, 2), "fence.proxy.async.shared::cta;", "add.f32 %r9, %r1, %r2;"]
+    assert offline.load_rounds("\n".join(fenced)) == 1
+    blocks = [_LOAD.format(1, 2), "$L__BB0_1:", "add.f32 %r9, %r1, %r2;"]
+    assert offline.load_rounds("\n".join(blocks)) == 0

@@ -33,11 +33,12 @@ from ..runtime.device import on_device
 from ..runtime.launcher import Launch
 from ..runtime.plans import placeholder
 from . import cdiv, chunk_state, input_align, next_pow2
-from .common import (chain, chunk_rows, load_cos_sin, load_mimo_v, load_pair_columns,
-                     load_rotated, mac, rotate_pairs, store_or_add)
+from .common import (chain, chunk_rows, landed, load_cos_sin, load_pair_columns, mac,
+                     psi_v_rows, rotate_pairs)
 from .step_terms import Q_DECAY
-from .whole_chunk import (chunk_pointers, chunk_scores, chunk_terms, dy_block, pair_block,
-                          psiv_block, rows_of_steps, state_block, step_sums, steps_of_rows)
+from .whole_chunk import (chunk_pointers, chunk_scores, chunk_term_loads, chunk_weights,
+                          dy_loads, dy_of, qk_pair_loads, qk_pairs, rotation_inputs,
+                          rows_of_steps, state_block, step_sums, steps_of_rows, v_block)
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb"])
@@ -51,7 +52,7 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
     (grid (B*H, pair blocks * P blocks)); dstates [B, H, nc + 1, N, P] fp32 holds d final state
     in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32, or with GATED
     recomputed from dout and z [B, S_pad, H, P] (strides svb, svs, svh, svp), mimo_o and
-    mimo_z (whole_chunk.dy_block). VARLEN (packed
+    mimo_z (whole_chunk.dy_loads). VARLEN (packed
     sequences, B = 1): one (sequence j, h) per program over chunks bounds[j] .. bounds[j + 1] - 1
     (bounds int32 [n_seq + 1]), from the last, starting from the sequence's final-state gradient
     d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side (with B > 1, segments of
@@ -84,26 +85,28 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
     v_bh = b * svb + h * svh
     gate = (dout + v_bh, z + v_bh, mimo_o + h * R * P, mimo_z + h * R * P)
     b1, b2 = load_pair_columns(q_bias, bias_off, rows, j0, BJ, HALF, 1)
-    # Software-pipelined: chunk c - 1's inputs are loaded while chunk c is added, so that the
-    # walk waits for memory about once rather than once per chunk (the forward's fused scan
-    # does the same).
-    x1, x2, cs, sn, w, d_y, decay = _scan_inputs(
+    # Software-pipelined: chunk c - 1's inputs are loaded once chunk c's dots are issued and
+    # used an iteration later, so that the walk does not wait for memory at every chunk (the
+    # forward's fused scan does the same); loaded before the dots, they were waited for by the
+    # proxy fence that precedes a wgmma, which waits for every load in flight.
+    x1, x2, cs, sn, w, y_in, log_decay = _scan_inputs(
         q_h, cos, sin, terms, dy_bh, gate, da_cs, lo + n_ch - 1, n_ch > 0, t, r, rows, p, pm,
         j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ, HAS_Z,
-        FAST, GATED)
+        GATED)
     for i in range(n_ch):
         c = lo + n_ch - 1 - i
-        nx1, nx2, ncs, nsn, nw, nd_y, ndecay = _scan_inputs(
-            q_h, cos, sin, terms, dy_bh, gate, da_cs, c - 1, i + 1 < n_ch, t, r, rows, p, pm,
-            j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ,
-            HAS_Z, FAST, GATED)
         q1, q2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
+        d_y = dy_of(y_in, HAS_Z, FAST, GATED)
+        decay = tl.exp(log_decay)
         run1 = mac(run1 * decay, tl.trans(q1 * w[:, None]), d_y, PREC)
         run2 = mac(run2 * decay, tl.trans(q2 * w[:, None]), d_y, PREC)
+        x1, x2, cs, sn, w, y_in, log_decay = _scan_inputs(
+            q_h, cos, sin, terms, dy_bh, gate, da_cs, c - 1, i + 1 < n_ch, t, r, rows, p, pm,
+            j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ,
+            HAS_Z, GATED)
         ds_c = ds + c * N * P
         tl.store(ds_c + st_off, run1, mask=jm)
         tl.store(ds_c + HALF * P + st_off, run2, mask=jm)
-        x1, x2, cs, sn, w, d_y, decay = nx1, nx2, ncs, nsn, nw, nd_y, ndecay
     if FINALS:
         tl.store(finals + seq_row * N * P + st_off, run1, mask=jm)
         tl.store(finals + seq_row * N * P + HALF * P + st_off, run2, mask=jm)
@@ -112,13 +115,12 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
 @triton.jit
 def _scan_inputs(q_h, cos, sin, terms, dy_bh, gate, da_cs, c, ok, t, r, rows, p, pm, j0, row,
                  plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP: tl.constexpr,
-                 RP: tl.constexpr, BJ: tl.constexpr, HAS_Z: tl.constexpr, FAST: tl.constexpr,
-                 GATED: tl.constexpr):
+                 RP: tl.constexpr, BJ: tl.constexpr, HAS_Z: tl.constexpr, GATED: tl.constexpr):
     """What the reverse scan reads of chunk c (nothing, the tiles zero and the decay 1, unless
-    ok): q's pair columns as stored, cos and sin [rows, BJ], Q_DECAY per row, dy [rows, BP]
-    (from the (b, h) slice of the buffer, or with GATED from `gate`: the (b, h) slices of dout
-    and z and the head's mimo_o and mimo_z blocks) and the chunk's decay exp(da_cs at its last
-    step)."""
+    ok), loaded and not yet used, so that the walk waits for them a chunk later: q's pair
+    columns as stored, cos and sin [rows, BJ], Q_DECAY per row, dy_loads' tiles (from the
+    (b, h) slice of the buffer, or with GATED from `gate`: the (b, h) slices of dout and z and
+    the head's mimo_o and mimo_z blocks) and the chunk's log decay (da_cs at its last step)."""
     s0 = tl.cast(c, tl.int64) * C
     live = rows & ok
     x1, x2 = load_pair_columns(q_h + s0 * sqs, t * sqs + r * sqr, live, j0, BJ, HALF, sqn)
@@ -126,45 +128,47 @@ def _scan_inputs(q_h, cos, sin, terms, dy_bh, gate, da_cs, c, ok, t, r, rows, p,
     w = tl.load(terms + Q_DECAY * plane + row + s0 + t, mask=live, other=0.0)
     dout_h, z_h, mo_h, mz_h = gate
     ts = tl.arange(0, TP)
-    d_y = dy_block((dy_bh + s0 * R * H * P, dout_h + s0 * svs, z_h + s0 * svs, mo_h, mz_h),
-                   y_row, live, ts, (ts < C) & ok, svs, svp, R, P, p, pm, RP, HAS_Z, FAST, GATED)
-    decay = tl.exp(tl.load(da_cs + row + s0 + C - 1, mask=ok, other=0.0))
-    return x1, x2, cs, sn, w, d_y, decay
+    y_in = dy_loads((dy_bh + s0 * R * H * P, dout_h + s0 * svs, z_h + s0 * svs, mo_h, mz_h),
+                    y_row, live, ts, (ts < C) & ok, svs, svp, R, P, p, pm, RP, HAS_Z, GATED)
+    log_decay = tl.load(da_cs + row + s0 + C - 1, mask=ok, other=0.0)
+    return x1, x2, cs, sn, w, y_in, log_decay
 
 
 @triton.jit
-def _head_chunk(q, k, v, mimo_v, cos, sin, terms, segsum, dy_in, t, r, b, h, c, S_pad, nc, plane,
-                H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh,
-                TP: tl.constexpr, BA: tl.constexpr):
+def _head_chunk(q, k, v, mimo_v, cos, sin, dy_in, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD,
+                sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP: tl.constexpr,
+                BA: tl.constexpr):
     """Where chunk c of (b, h) reads (chunk_pointers; the batch strides sqb, skb, svb come
-    divided by BA, kernels.input_align, so that the 16-bit loads of q, k and v are wide), its
-    per-step terms (chunk_terms), and where its dy comes from: whole_chunk.dy_block's src at the
+    divided by BA, kernels.input_align, so that the 16-bit loads of q, k and v are wide), which
+    of its rows and steps exist, and where its dy comes from: whole_chunk.dy_loads' src at the
     chunk, from dy_in = (dy [B, S_pad, R, H, P], dout, z [B, S_pad, H, P] with v's strides,
-    mimo_o, mimo_z), and each row's offset in dy."""
-    bh = b * H + h
+    mimo_o, mimo_z), and each row's offset in dy. Nothing is loaded."""
     row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
         q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb * BA, sqs,
         sqr, sqg, skb * BA, sks, skr, skg, svb * BA, svs, svh)
-    rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w = chunk_terms(
-        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
+    rows = (t < C) & (r < R)
+    ts = tl.arange(0, TP)
+    steps = ts < C
     dy, dout, z, mimo_o, mimo_z = dy_in
     v_off = b * (svb * BA) + h * svh + c * C * svs  # v_at's, in dout and z
     y_src = (dy + ((b * S_pad + c * C) * R * H + h) * P, dout + v_off, z + v_off,
              mimo_o + h * R * P, mimo_z + h * R * P)
     y_row = (t * R + r) * H * P
-    return (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows,
-            ts, steps, gamma, trap_scale, k_decay, q_decay, e, w, y_src, y_row)
+    return (row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
+            steps, y_src, y_row)
 
 
 @triton.jit
-def _bias_share(part, part_off, val, part_mask):
-    """val, a head's block of dQ or dK rotated back ([rows, BJ]), returned after adding its sums
-    over the steps ([RP, BJ], the head's share of its bias gradient) to part[part_off]."""
+def _bias_share(part, part_off, val, before, part_mask):
+    """val, a head's block of dQ or dK rotated back ([rows, BJ]), returned after storing at
+    part[part_off] `before` (what was there, loaded with the head's other inputs: the groups of
+    batch entries accumulate there, as common.store_or_add does) plus val's sums over the steps
+    ([RP, BJ], the head's share of its bias gradient)."""
     TPR: tl.constexpr = val.shape[0]
     BJ: tl.constexpr = val.shape[1]
     RP: tl.constexpr = part_off.shape[0]
-    store_or_add(part + part_off, tl.sum(tl.reshape(val, (TPR // RP, RP, BJ)), axis=0),
-                 part_mask, True)
+    tl.store(part + part_off, before + tl.sum(tl.reshape(val, (TPR // RP, RP, BJ)), axis=0),
+             mask=part_mask)
     return val
 
 
@@ -175,7 +179,8 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
                           HALF, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs,
                           svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
                           BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
-                          HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr):
+                          HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
+                          OPAQUE: tl.constexpr):
     """dQr = (dP W) Kr + Q_DECAY dY states[c]^T and dKr = (dP W)^T Qr + K_DECAY PsiV
     dstates[c + 1]^T on one block of BJ pair columns, rotated back and summed over the heads of a
     group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
@@ -204,16 +209,18 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
     sum_q2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
     sum_k1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
     sum_k2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
+    bm = (rk < R)[:, None] & (j < HALF)[None, :]
     for hh in range(0, HG):
         h = g * HG + hh
-        (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
-         steps, gamma, trap_scale, k_decay, q_decay, e, w, y_src, y_row) = _head_chunk(
-            q, k, v, mimo_v, cos, sin, terms, segsum, (dy, dout, z, mimo_o, mimo_z), t, r, b, h,
-            c, S_pad, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg,
-            svb, svs, svh, TP, BA)
+        bh = b * H + h
+        (row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
+         steps, y_src, y_row) = _head_chunk(
+            q, k, v, mimo_v, cos, sin, (dy, dout, z, mimo_o, mimo_z), t, r, b, h, c, S_pad, H,
+            HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
         st_at = states + (bh * nc + c) * N * P
         ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
-        # one walk over P: dP = dY PsiV^T, dY states^T and PsiV dstates^T on the block's pairs
+        # one walk over P: dP = dY PsiV^T, dY states^T and PsiV dstates^T on the block's pairs;
+        # each block's loads are issued before any of its math, so that it waits for memory once
         dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)
         dq1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
         dq2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
@@ -221,20 +228,36 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         dk2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
         carried = 0.0
         for p0 in range(0, P, BP):
-            p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-            d_y = dy_block(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z,
-                           FAST, GATED)
+            p, pm, xv, mv = v_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+            y_in = dy_loads(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z,
+                            GATED)
             st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
             ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+            psiv = psi_v_rows(landed(xv, OPAQUE), landed(mv, OPAQUE))
+            d_y = dy_of(y_in, HAS_Z, FAST, GATED, OPAQUE)
             dp = mac(dp, d_y, tl.trans(psiv), PREC)
             dq1 = mac(dq1, d_y, tl.trans(st1), PREC)
             dq2 = mac(dq2, d_y, tl.trans(st2), PREC)
             dk1 = mac(dk1, psiv, tl.trans(ds1), PREC)
             dk2 = mac(dk2, psiv, tl.trans(ds2), PREC)
             carried += tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0)
-        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
-                                    j0, HALF, RD, sqn, BJ)
-        k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn, True)
+        # the rest of the head's loads together: its per-step terms, q and k on the block's
+        # pairs with their biases and angles, and the bias gradients' sums so far
+        term_in = chunk_term_loads(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
+        pairs_in = qk_pair_loads(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at,
+                                 sin_at, cs_off, j0, HALF, RD, sqn, skn, BJ)
+        bias_at = ((b * nc + c) * H + h) * R * N + rk[:, None] * N + j[None, :]
+        sq1 = tl.load(part_qb + bias_at, mask=bm, other=0.0)
+        sq2 = tl.load(part_qb + bias_at + HALF, mask=bm, other=0.0)
+        sk1 = tl.load(part_kb + bias_at, mask=bm, other=0.0)
+        sk2 = tl.load(part_kb + bias_at + HALF, mask=bm, other=0.0)
+        gamma, trap_scale, k_decay, q_decay, seg = term_in
+        k_decay, q_decay = landed(k_decay, OPAQUE), landed(q_decay, OPAQUE)
+        _, w = chunk_weights(landed(gamma, OPAQUE), landed(trap_scale, OPAQUE),
+                             landed(seg, OPAQUE), C, TP)
+        cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE)
+        sq1, sq2 = landed(sq1, OPAQUE), landed(sq2, OPAQUE)
+        sk1, sk2 = landed(sk1, OPAQUE), landed(sk2, OPAQUE)
         dq1 = q_decay[:, None] * dq1
         dq2 = q_decay[:, None] * dq2
         tl.store(part_cs + (jb * n_bh + bh) * S_pad + s0 + ts,
@@ -250,12 +273,10 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
                  mask=steps[:, None] & (j < RD)[None, :])
         # rotated back (the gradients of x + bias), with the head's shares of the bias gradients
-        bias_at = ((b * nc + c) * H + h) * R * N + rk[:, None] * N + j[None, :]
-        bm = (rk < R)[:, None] & (j < HALF)[None, :]
-        sum_q1 += _bias_share(part_qb, bias_at, cs * dq1 + sn * dq2, bm)
-        sum_q2 += _bias_share(part_qb, bias_at + HALF, cs * dq2 - sn * dq1, bm)
-        sum_k1 += _bias_share(part_kb, bias_at, cs * dk1 + sn * dk2, bm)
-        sum_k2 += _bias_share(part_kb, bias_at + HALF, cs * dk2 - sn * dk1, bm)
+        sum_q1 += _bias_share(part_qb, bias_at, cs * dq1 + sn * dq2, sq1, bm)
+        sum_q2 += _bias_share(part_qb, bias_at + HALF, cs * dq2 - sn * dq1, sq2, bm)
+        sum_k1 += _bias_share(part_kb, bias_at, cs * dk1 + sn * dk2, sk1, bm)
+        sum_k2 += _bias_share(part_kb, bias_at + HALF, cs * dk2 - sn * dk1, sk2, bm)
     hm = ((t < C) & (r < R))[:, None] & (j < HALF)[None, :]
     off = n_off[:, None] + j[None, :]
     tl.store(dq + off, sum_q1.to(dq.dtype.element_ty), mask=hm)
@@ -270,9 +291,10 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
                          part_psi, part_d, d_gamma, d_trap_scale, d_adt, S_pad, n_bh, n_jb, nc,
                          plane, H, HG, R, C, N, HALF, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks,
                          skr, skg, skn, svb, svs, svh, svp, TP: tl.constexpr, RP: tl.constexpr,
-                         BJ: tl.constexpr, BP: tl.constexpr, HAS_D: tl.constexpr,
-                         PREC: tl.constexpr, BA: tl.constexpr, HAS_Z: tl.constexpr,
-                         FAST: tl.constexpr, GATED: tl.constexpr):
+                         BJ: tl.constexpr, BP: tl.constexpr, NJB: tl.constexpr,
+                         HAS_D: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
+                         HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
+                         OPAQUE: tl.constexpr):
     """dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY with Sc = Qr Kr^T, and the per-step
     gradients, per (b*h, chunk) (b*h fastest: a group's heads read the same q and k together).
     Sc in one walk over N in blocks of BJ pairs; then per block of BP columns of P, Kr
@@ -288,29 +310,48 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     t, r = chunk_rows(TP, RP)
     rk = tl.arange(0, RP)
     s0 = c * C
-    (bh, row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts,
-     steps, gamma, trap_scale, k_decay, q_decay, e, w, y_src, y_row) = _head_chunk(
-        q, k, v, mimo_v, cos, sin, terms, segsum, (dy, dout, z, mimo_o, mimo_z), t, r, b, h, c,
-        S_pad, nc, plane, H, HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs,
-        svh, TP, BA)
+    (row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at, rows, ts, steps,
+     y_src, y_row) = _head_chunk(
+        q, k, v, mimo_v, cos, sin, (dy, dout, z, mimo_o, mimo_z), t, r, b, h, c, S_pad, H, HG,
+        R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
     ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
+    # what the per-step gradients read at the end, loaded with the per-step terms, first
+    jbs = tl.arange(0, NJB)
+    jb_ok = jbs < n_jb
+    cs_parts = tl.load(part_cs + (jbs[:, None] * n_bh + bh) * S_pad + s0 + ts[None, :],
+                       mask=jb_ok[:, None] & steps[None, :], other=0.0)
+    carried_parts = tl.load(part_carried + (jbs * n_bh + bh) * nc + c, mask=jb_ok, other=0.0)
+    rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
+    log_end = tl.load(da_cs + row + C - 1)
+    gamma, trap_scale, k_decay, q_decay, seg = chunk_term_loads(
+        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
     sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
-                      cs_off, HALF, RD, sqn, skn, BJ, PREC)
+                      cs_off, HALF, RD, sqn, skn, BJ, PREC, OPAQUE)
+    e, w = chunk_weights(gamma, trap_scale, seg, C, TP)
     sdp = tl.zeros([TP, TP], dtype=tl.float32)  # Sc dP summed over the ranks, per pair of steps
     inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)  # Kr . dstates[c + 1] PsiV per row
     v_base = ((b * S_pad + s0) * H + h) * P  # the chunk's first step of dv
+    psi_at = (bh * nc + c) * R * P + rk[:, None] * P  # the chunk's share of dPsi
     d_sum = 0.0  # sum dY . PsiV: the chunk's share of dD
     for p0 in range(0, P, BP):
+        # the block's loads outside the walk over N, issued before it
+        p, pm, xv, mv = v_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
+        y_in = dy_loads(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z, GATED)
+        psi_ok = (rk < R)[:, None] & pm[None, :]
+        psi_before = tl.load(part_psi + psi_at + p[None, :], mask=psi_ok, other=0.0)
         kd = tl.zeros([ROWS, BP], dtype=tl.float32)  # Kr dstates[c + 1]
         for j0 in range(0, HALF, BJ):
-            cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
-            k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn,
-                                  True)
             ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
+            cs, sn, y1, y2, yb1, yb2 = rotation_inputs(k_at, krow, rows, k_bias, bias_off, cos_at,
+                                                       sin_at, cs_off, j0, HALF, RD, skn, BJ)
+            cs, sn = landed(cs, OPAQUE), landed(sn, OPAQUE)
+            k1, k2 = rotate_pairs(landed(y1, OPAQUE), landed(y2, OPAQUE), landed(yb1, OPAQUE),
+                                  landed(yb2, OPAQUE), cs, sn, True)
             kd = mac(mac(kd, k1, ds1, PREC), k2, ds2, PREC)
-        p, pm, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-        d_y = dy_block(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z, FAST,
-                       GATED)
+        xv, mv = landed(xv, OPAQUE), landed(mv, OPAQUE)
+        psiv = psi_v_rows(xv, mv)
+        d_y = dy_of(y_in, HAS_Z, FAST, GATED, OPAQUE)
+        psi_before = landed(psi_before, OPAQUE)
         sdp += steps_of_rows(sc * tl.dot(d_y, tl.trans(psiv), input_precision=PREC), RP)
         inter_k_rows += tl.sum(psiv * kd, axis=1)
         dpv = mac(k_decay[:, None] * kd, tl.trans(sc * rows_of_steps(w, RP)), d_y, PREC)
@@ -318,35 +359,27 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
             dpv += tl.load(d + h) * d_y
             d_sum += tl.sum(tl.sum(d_y * psiv, axis=1), axis=0)
         # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
-        mv = load_mimo_v(mv_at, R, p, pm, P, RP)
-        xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
-                     mask=steps[:, None] & pm[None, :], other=0.0).to(tl.float32)
         dpv3 = tl.reshape(dpv, (TP, RP, BP))
         tl.store(dv + v_base + ts[:, None] * H * P + p[None, :],
                  tl.sum(dpv3 * mv[None], axis=1).to(dv.dtype.element_ty),
                  mask=steps[:, None] & pm[None, :])
-        store_or_add(part_psi + (bh * nc + c) * R * P + rk[:, None] * P + p[None, :],
-                     tl.sum(dpv3 * xv[:, None, :], axis=0), (rk < R)[:, None] & pm[None, :],
-                     True)
+        # added to what the groups of batch entries before left there (common.store_or_add)
+        tl.store(part_psi + psi_at + p[None, :],
+                 psi_before + tl.sum(dpv3 * xv[:, None, :], axis=0), mask=psi_ok)
     if HAS_D:
         # added to the groups' before, as store_or_add does for the blocks
         tl.store(part_d + bh * nc + c, tl.load(part_d + bh * nc + c) + d_sum)
     # chunk_grads_qk_kernel's shares, added over its pair blocks in order
-    d_cs = tl.zeros([TP], dtype=tl.float32)  # sum_n Qr dQr's inter-chunk term per step
-    carried = 0.0  # <dstates[c + 1], states[c]>
-    for jb in range(0, n_jb):
-        d_cs += tl.load(part_cs + (jb * n_bh + bh) * S_pad + s0 + ts, mask=steps, other=0.0)
-        carried += tl.load(part_carried + (jb * n_bh + bh) * nc + c)
+    d_cs = tl.sum(cs_parts, axis=0)  # sum_n Qr dQr's inter-chunk term per step
+    carried = tl.sum(carried_parts, axis=0)  # <dstates[c + 1], states[c]>
     # per-step gradients: gamma, trap_scale and ADT through the decay pieces
-    rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
     diag = (ts[None, :] == ts[:, None]) & steps[:, None]
     d_gam = tl.sum(tl.where(diag, sdp, 0.0), axis=1)
     inter_k = step_sums(inter_k_rows, RP)
     d_ts = tl.sum(e * sdp, axis=0) + tl.exp(rev) * inter_k
     d_rev = trap_scale * tl.exp(rev) * inter_k
     # the state recurrence's decay of the entering state over the chunk, exp(da_cs[end])
-    end_decay = tl.exp(tl.load(da_cs + row + C - 1))
-    d_cs += tl.where(ts == C - 1, carried * end_decay, 0.0)
+    d_cs += tl.where(ts == C - 1, carried * tl.exp(log_end), 0.0)
     d_seg = sdp * e * trap_scale[None, :]  # [i, j], zero unless j < i
     # ADT[u] enters da_cs[t] for t >= u, da_cs_rev[t] for t < u, segsum[i, j] for j < u <= i
     u = ts
@@ -508,7 +541,7 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
     tensors of `buffers`. dy: d raw_y [B, S_pad, R, H, P] fp32; or None with gate = (dout, z,
     mimo_o, mimo_z): dy recomputed where it is read from dout and z [B, S_pad, H, P] (with v's
     strides; z None without the gate) and MIMO_Out, MIMO_Z [H, R, P] (None without the gate),
-    the output stage's gradient of a reduced output without the norm (whole_chunk.dy_block).
+    the output stage's gradient of a reduced output without the norm (whole_chunk.dy_loads).
     Packed sequences give bounds and d_ends. Chains cut in `segments` (packed.Segments: long
     packed sequences, or a dense call's chunks at B < 4) take d_ends [n_segs, B, H, N, P] (zero
     but in each sequence's last segment) and write the gradients entering them into finals of
@@ -542,7 +575,7 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
                   cos=cos, sin=sin, segsum=segsum, dstates=dstates, BA=BA,
                   sqb=qs[0] // BA, skb=ks[0] // BA, sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4],
                   svb=vs[0] // BA, n_bh=B * H, part_cs=part_cs,
-                  part_carried=part_carried, HALF=N // 2, **common)
+                  part_carried=part_carried, HALF=N // 2, OPAQUE=m.OPAQUE, **common)
     if segments is not None:
         bounds = segments.bounds
     chains = B * H if bounds is None else (bounds.numel() - 1) * B * H
@@ -565,5 +598,5 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
         Launch(chunk_grads_v_kernel, (B * H * nc,), dict(
             d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dv=dv, part_psi=part_psi, part_d=part_d,
             d_gamma=d_gamma, d_trap_scale=d_trap_scale, d_adt=d_adt, n_jb=n_jb,
-            HAS_D=m.HAS_D, BJ=cfg.V_BJ, BP=cfg.V_BP, **inputs),
+            NJB=next_pow2(n_jb), HAS_D=m.HAS_D, BJ=cfg.V_BJ, BP=cfg.V_BP, **inputs),
             dict(num_warps=cfg.V_WARPS, num_stages=1))]

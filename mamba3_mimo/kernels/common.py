@@ -331,6 +331,16 @@ def opaque(x, ON: tl.constexpr):
 
 
 @triton.jit
+def landed(x, ON: tl.constexpr):
+    """A loaded tile in fp32 behind `opaque` (ON): Triton 3.6's layout passes place a tile's
+    conversion to the layout its use needs right after its load, where the conversion (through
+    shared memory) waits for that load before the program issues its next one; behind the
+    identity the conversion stays where the tile is used, so that a program issues all the loads
+    of a step first and waits for memory once."""
+    return opaque(x.to(tl.float32), ON)
+
+
+@triton.jit
 def prefetch(base, off, mask, LEVEL: tl.constexpr):
     """Ask for the lines at base + off (where mask; elsewhere base's own line) to be brought
     into L1 (LEVEL 1) or L2 (LEVEL 2) ahead of the load that reads them, so that a program's

@@ -6,7 +6,8 @@ between rows and steps."""
 import triton
 import triton.language as tl
 
-from .common import load_cos_sin, load_mimo_v, load_rotated, mac, psi_v_rows, sigmoid
+from .common import (landed, load_cos_sin, load_mimo_v, load_pair_columns, mac, psi_v_rows,
+                     rotate_pairs, sigmoid)
 from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
 
 
@@ -39,7 +40,20 @@ def chunk_terms(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.const
     chunk_rows: which rows exist, the steps ts and which of them exist, gamma and trap_scale
     per step, K_DECAY and Q_DECAY per row, and the causal weights per pair of steps:
     E = exp(segsum) before the diagonal (else 0) and W = E trap_scale[t'] + gamma on the
-    diagonal ([TP, TP])."""
+    diagonal ([TP, TP]). chunk_term_loads, then chunk_weights."""
+    rows = (t < C) & (r < R)
+    ts = tl.arange(0, TP)
+    steps = ts < C
+    gamma, trap_scale, k_decay, q_decay, seg = chunk_term_loads(
+        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
+    e, w = chunk_weights(gamma, trap_scale, seg, C, TP)
+    return rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w
+
+
+@triton.jit
+def chunk_term_loads(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr):
+    """chunk_terms' loads: gamma, trap_scale [TP], K_DECAY, Q_DECAY [rows] and segsum [TP, TP]
+    (zero where a step does not exist or on and above the diagonal)."""
     row = bh * S_pad + c * C  # the chunk's first step in the [B*H, S_pad] planes
     rows = (t < C) & (r < R)
     ts = tl.arange(0, TP)
@@ -51,10 +65,19 @@ def chunk_terms(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.const
     before = (ts[None, :] < ts[:, None]) & steps[:, None] & steps[None, :]
     seg = tl.load(segsum + (bh * nc + c) * C * C + ts[:, None] * C + ts[None, :], mask=before,
                   other=0.0)
+    return gamma, trap_scale, k_decay, q_decay, seg
+
+
+@triton.jit
+def chunk_weights(gamma, trap_scale, seg, C, TP: tl.constexpr):
+    """(E, W) [TP, TP] of chunk_terms from its loads."""
+    ts = tl.arange(0, TP)
+    steps = ts < C
+    before = (ts[None, :] < ts[:, None]) & steps[:, None] & steps[None, :]
     e = tl.where(before, tl.exp(seg), 0.0)
     diag = (ts[None, :] == ts[:, None]) & steps[:, None]
     w = e * trap_scale[None, :] + tl.where(diag, gamma[:, None], 0.0)
-    return rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w
+    return e, w
 
 
 @triton.jit
@@ -62,10 +85,30 @@ def pair_block(x_at, row_off, rows, bias_at, bias_off, cos_at, sin_at, cs_off, j
                stride_n, BJ: tl.constexpr):
     """cos, sin and (x + bias) rotated on the pair columns j0..j0+BJ of the rows, as
     [rows, BJ] tiles (x_at, cos_at, sin_at at the chunk's first step)."""
-    cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
-    x1, x2 = load_rotated(x_at, row_off, rows, bias_at, bias_off, cs, sn, j0, BJ, HALF,
-                          stride_n, True)
+    cs, sn, x1, x2, b1, b2 = rotation_inputs(x_at, row_off, rows, bias_at, bias_off, cos_at,
+                                             sin_at, cs_off, j0, HALF, RD, stride_n, BJ)
+    x1, x2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
     return cs, sn, x1, x2
+
+
+@triton.jit
+def rotation_inputs(x_at, row_off, rows, bias_at, bias_off, cos_at, sin_at, cs_off, j0, HALF, RD,
+                    stride_n, BJ: tl.constexpr):
+    """pair_block's loads: cos, sin [rows, BJ], x's pair columns as stored and the bias's."""
+    cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
+    x1, x2 = load_pair_columns(x_at, row_off, rows, j0, BJ, HALF, stride_n)
+    b1, b2 = load_pair_columns(bias_at, bias_off, rows, j0, BJ, HALF, 1)
+    return cs, sn, x1, x2, b1, b2
+
+
+@triton.jit
+def v_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP: tl.constexpr, RP: tl.constexpr):
+    """psiv_block's loads: (p, p mask, v [TP, BP] as stored, the head's mimo_v rows [RP, BP])."""
+    p = p0 + tl.arange(0, BP)
+    pm = p < P
+    xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
+                 mask=steps[:, None] & pm[None, :], other=0.0)
+    return p, pm, xv, load_mimo_v(mimo_v_at, R, p, pm, P, RP)
 
 
 @triton.jit
@@ -73,50 +116,90 @@ def psiv_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP: tl.constexpr,
                RP: tl.constexpr):
     """(p, p mask, PsiV [rows, BP]) of the columns p0..p0+BP (v_at at the chunk's first step,
     mimo_v_at at the head's [R, P] block)."""
-    p = p0 + tl.arange(0, BP)
-    pm = p < P
-    xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
-                 mask=steps[:, None] & pm[None, :], other=0.0)
-    return p, pm, psi_v_rows(xv, load_mimo_v(mimo_v_at, R, p, pm, P, RP))
+    p, pm, xv, mv = v_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP, RP)
+    return p, pm, psi_v_rows(xv, mv)
 
 
 @triton.jit
-def dy_block(src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP: tl.constexpr,
-             HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr):
-    """dy = d raw_y [rows, BP] of a chunk on the columns p (mask pm), from src = (dy, dout, z,
-    mimo_o, mimo_z) at the chunk: read from the fp32 buffer (dy at the chunk's first row, y_row
-    the rows' offsets), or with GATED recomputed from dout and z (at the chunk's first step;
-    v's strides svs, svp) and the head's MIMO_Out and MIMO_Z blocks as dout[t, p]
-    MIMO_Out[r, p] silu(z[t, p] MIMO_Z[r, p]) (no silu without Z): the gradient through the
-    reduce-O gate, which reads a quarter of the buffer's bytes at R = 4 and needs no buffer.
-    FAST: common.sigmoid's."""
+def dy_loads(src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP: tl.constexpr,
+             HAS_Z: tl.constexpr, GATED: tl.constexpr):
+    """What dy = d raw_y [rows, BP] of a chunk on the columns p (mask pm) is made of, loaded
+    apart from its math (dy_of) so that a kernel issues these loads with its others and waits
+    for memory once. src = (dy, dout, z, mimo_o, mimo_z) at the chunk: the fp32 buffer's dy
+    (at the chunk's first row, y_row the rows' offsets) in all four places; or with GATED, dy
+    recomputed as dout[t, p] MIMO_Out[r, p] silu(z[t, p] MIMO_Z[r, p]) (no silu without Z), the
+    gradient through the reduce-O gate, which reads a quarter of the buffer's bytes at R = 4 and
+    needs no buffer: dout and z [TP, BP] (at the chunk's first step; v's strides svs, svp) in
+    fp32 and the head's MIMO_Out and MIMO_Z rows [RP, BP] (without HAS_Z dout and MIMO_Out in
+    z's and MIMO_Z's places)."""
     dy_at, dout_at, z_at, mo_at, mz_at = src
     if GATED:
         m = steps[:, None] & pm[None, :]
         off = ts[:, None] * svs + p[None, :] * svp
-        g = (tl.load(dout_at + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
-             * load_mimo_v(mo_at, R, p, pm, P, RP)[None, :, :])
+        d_out = tl.load(dout_at + off, mask=m, other=0.0).to(tl.float32)
+        mo = load_mimo_v(mo_at, R, p, pm, P, RP)
         if HAS_Z:
-            u = (tl.load(z_at + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
-                 * load_mimo_v(mz_at, R, p, pm, P, RP)[None, :, :])
+            return (d_out, tl.load(z_at + off, mask=m, other=0.0).to(tl.float32), mo,
+                    load_mimo_v(mz_at, R, p, pm, P, RP))
+        return d_out, d_out, mo, mo
+    else:
+        dy = tl.load(dy_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
+                     other=0.0)
+        return dy, dy, dy, dy
+
+
+@triton.jit
+def dy_of(loaded, HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
+          LAND: tl.constexpr = False):
+    """dy [rows, BP] from dy_loads' tiles, each landed first (common.landed, LAND); FAST:
+    common.sigmoid's."""
+    d_out, zz, mo, mz = loaded
+    if GATED:
+        g = landed(d_out, LAND)[:, None, :] * landed(mo, LAND)[None, :, :]
+        if HAS_Z:
+            u = landed(zz, LAND)[:, None, :] * landed(mz, LAND)[None, :, :]
             g = g * (u * sigmoid(u, FAST))
         return tl.reshape(g, (g.shape[0] * g.shape[1], g.shape[2]))
     else:
-        return tl.load(dy_at + y_row[:, None] + p[None, :], mask=rows[:, None] & pm[None, :],
-                       other=0.0)
+        return landed(d_out, LAND)
+
+
+@triton.jit
+def qk_pair_loads(q_at, qrow, k_at, krow, rows, qb_at, kb_at, bias_off, cos_at, sin_at, cs_off,
+                  j0, HALF, RD, sqn, skn, BJ: tl.constexpr):
+    """The loads of Qr and Kr on the pair columns j0..j0+BJ, issued together: cos, sin
+    [rows, BJ] and the pair columns of q, q_bias, k and k_bias as stored (qk_pairs' input)."""
+    cs, sn, x1, x2, xb1, xb2 = rotation_inputs(q_at, qrow, rows, qb_at, bias_off, cos_at,
+                                               sin_at, cs_off, j0, HALF, RD, sqn, BJ)
+    y1, y2 = load_pair_columns(k_at, krow, rows, j0, BJ, HALF, skn)
+    yb1, yb2 = load_pair_columns(kb_at, bias_off, rows, j0, BJ, HALF, 1)
+    return cs, sn, x1, x2, xb1, xb2, y1, y2, yb1, yb2
+
+
+@triton.jit
+def qk_pairs(loaded, LAND: tl.constexpr):
+    """(cos, sin, Qr's two halves, Kr's two halves) [rows, BJ] fp32 from qk_pair_loads', each
+    tile landed (common.landed, LAND) before its math."""
+    cs, sn, x1, x2, xb1, xb2, y1, y2, yb1, yb2 = loaded
+    cs, sn = landed(cs, LAND), landed(sn, LAND)
+    q1, q2 = rotate_pairs(landed(x1, LAND), landed(x2, LAND), landed(xb1, LAND),
+                          landed(xb2, LAND), cs, sn, True)
+    k1, k2 = rotate_pairs(landed(y1, LAND), landed(y2, LAND), landed(yb1, LAND),
+                          landed(yb2, LAND), cs, sn, True)
+    return cs, sn, q1, q2, k1, k2
 
 
 @triton.jit
 def chunk_scores(q_at, qrow, k_at, krow, rows, qb_at, kb_at, bias_off, cos_at, sin_at, cs_off,
-                 HALF, RD, sqn, skn, BJ: tl.constexpr, PREC: tl.constexpr):
-    """Qr Kr^T [rows, rows] over the pair blocks."""
+                 HALF, RD, sqn, skn, BJ: tl.constexpr, PREC: tl.constexpr, LAND: tl.constexpr):
+    """Qr Kr^T [rows, rows] over the pair blocks, each block's loads issued before its math
+    (qk_pairs' LAND)."""
     ROWS: tl.constexpr = rows.shape[0]
     sc = tl.zeros([ROWS, ROWS], dtype=tl.float32)
     for j0 in range(0, HALF, BJ):
-        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, qb_at, bias_off, cos_at, sin_at, cs_off,
-                                    j0, HALF, RD, sqn, BJ)
-        k1, k2 = load_rotated(k_at, krow, rows, kb_at, bias_off, cs, sn, j0, BJ, HALF, skn,
-                              True)
+        _, _, q1, q2, k1, k2 = qk_pairs(qk_pair_loads(
+            q_at, qrow, k_at, krow, rows, qb_at, kb_at, bias_off, cos_at, sin_at, cs_off, j0,
+            HALF, RD, sqn, skn, BJ), LAND)
         sc = mac(mac(sc, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
     return sc
 
