@@ -15,9 +15,9 @@ import triton.language as tl
 
 from ..runtime.launcher import Launch
 from . import next_pow2
-from .common import chunk_rows, load_rotated, mac, store_or_add
-from .whole_chunk import (chunk_pointers, chunk_terms, pair_block, psiv_block,
-                          rows_of_steps, state_block)
+from .common import chunk_rows, landed, mac, psi_v_rows
+from .whole_chunk import (chunk_pointers, chunk_term_loads, chunk_weights, qk_pair_loads,
+                          qk_pairs, rows_of_steps, state_block, v_block)
 
 
 @triton.jit
@@ -53,29 +53,53 @@ def _step_sums(x, RP: tl.constexpr):
 
 
 @triton.jit
-def _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h, R, P, p, pm, steps,
-                  rows, TP: tl.constexpr, RP: tl.constexpr, HAS_Z: tl.constexpr,
-                  HAS_OUT: tl.constexpr, GRAD: tl.constexpr):
-    """The output stage's inputs per row on the columns p: z and Zeta (HAS_Z), Phi (HAS_OUT),
-    dout (GRAD; per step with Phi, per row without). Absent ones are 1 (0 for z)."""
+def _stage_loads(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h, R, P, p, pm, steps, rows,
+                 RP: tl.constexpr, HAS_Z: tl.constexpr, HAS_OUT: tl.constexpr,
+                 GRAD: tl.constexpr):
+    """The output stage's inputs on the columns p, as stored (_stage_inputs' input): z [TP, PP]
+    and Zeta [RP, PP] (HAS_Z), Phi [RP, PP] (HAS_OUT), dout (GRAD; [TP, PP] with Phi, per row
+    without). Absent ones are 0."""
     rk = tl.arange(0, RP)
     rank_off = (h * R + rk)[:, None] * P + p[None, :]
     rank_ok = (rk < R)[:, None] & pm[None, :]
     tp_ok = steps[:, None] & pm[None, :]
-    zr, zeta, phi, do = 0.0, 1.0, 1.0, 1.0
+    zr, zeta, phi, do = 0.0, 0.0, 0.0, 0.0
     if HAS_Z:
-        zr = _per_row(tl.load(z + s_at + s_row[:, None] + p[None, :], mask=tp_ok,
-                              other=0.0).to(tl.float32), RP)
-        zeta = _per_rank(tl.load(mimo_z + rank_off, mask=rank_ok, other=0.0), TP)
+        zr = tl.load(z + s_at + s_row[:, None] + p[None, :], mask=tp_ok, other=0.0)
+        zeta = tl.load(mimo_z + rank_off, mask=rank_ok, other=0.0)
     if HAS_OUT:
-        phi = _per_rank(tl.load(mimo_o + rank_off, mask=rank_ok, other=0.0), TP)
+        phi = tl.load(mimo_o + rank_off, mask=rank_ok, other=0.0)
     if GRAD:
         if HAS_OUT:
-            do = _per_row(tl.load(dout + s_at + s_row[:, None] + p[None, :], mask=tp_ok,
-                                  other=0.0).to(tl.float32), RP)
+            do = tl.load(dout + s_at + s_row[:, None] + p[None, :], mask=tp_ok, other=0.0)
         else:
             do = tl.load(dout + r_at + r_row[:, None] + p[None, :],
-                         mask=rows[:, None] & pm[None, :], other=0.0).to(tl.float32)
+                         mask=rows[:, None] & pm[None, :], other=0.0)
+    return zr, zeta, phi, do
+
+
+@triton.jit
+def _stage_inputs(loaded, TP: tl.constexpr, RP: tl.constexpr, HAS_Z: tl.constexpr,
+                  HAS_OUT: tl.constexpr, GRAD: tl.constexpr, LAND: tl.constexpr):
+    """_stage_loads' tiles per row, in fp32 and landed (common.landed, LAND): z, Zeta, Phi and
+    dout; absent ones are 1 (0 for z)."""
+    zr, zeta, phi, do = loaded
+    if HAS_Z:
+        zr = _per_row(landed(zr, LAND), RP)
+        zeta = _per_rank(landed(zeta, LAND), TP)
+    else:
+        zeta = 1.0
+    if HAS_OUT:
+        phi = _per_rank(landed(phi, LAND), TP)
+    else:
+        phi = 1.0
+    if GRAD:
+        if HAS_OUT:
+            do = _per_row(landed(do, LAND), RP)
+        else:
+            do = landed(do, LAND)
+    else:
+        do = 1.0
     return zr, zeta, phi, do
 
 
@@ -87,7 +111,7 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
                          TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
                          BP: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
                          HAS_OUT: tl.constexpr, NORM: tl.constexpr, GRAD: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, OPAQUE: tl.constexpr):
     """One (b*h, chunk) per program (b*h fastest on grid axis 0), N in blocks of BJ pairs and
     all P columns at once (BP >= P). z, dout, out, dy, dz are contiguous over [B, S_pad, ...]:
     z, dz [.., H, P] (dz in any float dtype, each element rounded once); out and dout
@@ -104,33 +128,54 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
         sqg, skb, sks, skr, skg, svb, svs, svh)
     s0 = c * C
-    rows, ts, steps, _, _, _, q_decay, _, w = chunk_terms(
-        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
+    rows = (t < C) & (r < R)
+    ts = tl.arange(0, TP)
+    steps = ts < C
     st_at = states + (bh * nc + c) * N * P
     # [B, S_pad, H, P] per step and [B, S_pad, R, H, P] per row: the chunk's first element
     s_at, s_row = ((b * S_pad + s0) * H + h) * P, ts * H * P
     r_at, r_row = ((b * S_pad + s0) * R * H + h) * P, (t * R + r) * H * P
     # all P columns at once, so that one walk over N in blocks of BJ pairs gives both the scores
-    # Sc = Qr Kr^T and Qr states[c], and the norm's sums need no second pass
-    p = tl.arange(0, BP)
-    pm = p < P
-    _, _, psiv = psiv_block(v_at, ts, steps, svs, svp, mv_at, R, P, 0, BP, RP)
+    # Sc = Qr Kr^T and Qr states[c], and the norm's sums need no second pass; each step's loads
+    # are issued before its math, so that the program waits for memory once per step
+    gamma, trap_scale, k_decay, q_decay, seg = chunk_term_loads(
+        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
+    p, pm, xv, mv = v_block(v_at, ts, steps, svs, svp, mv_at, R, P, 0, BP, RP)
     ROWS: tl.constexpr = TP * RP
     sc = tl.zeros([ROWS, ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BP], dtype=tl.float32)
     for j0 in range(0, HALF, BJ):
-        cs, sn, q1, q2 = pair_block(q_at, qrow, rows, q_bias, bias_off, cos_at, sin_at, cs_off,
-                                    j0, HALF, RD, sqn, BJ)
-        k1, k2 = load_rotated(k_at, krow, rows, k_bias, bias_off, cs, sn, j0, BJ, HALF, skn, True)
+        pairs_in = qk_pair_loads(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at,
+                                 sin_at, cs_off, j0, HALF, RD, sqn, skn, BJ)
+        cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE)
+        # the state's block after the rotation: loaded before it, the block and the pair
+        # tiles together spilled 384 bytes per thread instead of 120 (N128_P64_R4_C16, sm_90)
         st1, st2 = state_block(st_at, j0, 0, HALF, P, BJ, BP)
         sc = mac(mac(sc, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
         acc = mac(mac(acc, q1, st1, PREC), q2, st2, PREC)
     # raw_y = (Sc W) PsiV + Q_DECAY Qr states[c] + D PsiV
-    raw = mac(q_decay[:, None] * acc, sc * rows_of_steps(w, RP), psiv, PREC)
+    _, w = chunk_weights(landed(gamma, OPAQUE), landed(trap_scale, OPAQUE), landed(seg, OPAQUE),
+                         C, TP)
+    psiv = psi_v_rows(landed(xv, OPAQUE), landed(mv, OPAQUE))
+    raw = mac(landed(q_decay, OPAQUE)[:, None] * acc, sc * rows_of_steps(w, RP), psiv, PREC)
     if HAS_D:
         raw += tl.load(d + h) * psiv
-    zr, zeta, phi, do = _stage_inputs(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h, R, P,
-                                      p, pm, steps, rows, TP, RP, HAS_Z, HAS_OUT, GRAD)
+    # the output stage's loads together (and what GRAD's partial sums add to)
+    stage_in = _stage_loads(z, mimo_z, mimo_o, dout, s_at, s_row, r_at, r_row, h, R, P, p, pm,
+                            steps, rows, RP, HAS_Z, HAS_OUT, GRAD)
+    if NORM:
+        nw = landed(tl.load(norm_w + h * P + p, mask=pm, other=0.0), OPAQUE)
+    rk = tl.arange(0, RP)
+    part = (bh * nc + c) * R * P + rk[:, None] * P + p[None, :]
+    rank_ok = (rk < R)[:, None] & pm[None, :]
+    if GRAD:
+        if HAS_OUT:
+            o_before = tl.load(part_o + part, mask=rank_ok, other=0.0)
+        if HAS_Z:
+            z_before = tl.load(part_z + part, mask=rank_ok, other=0.0)
+        if NORM:
+            w_before = tl.load(part_w + (bh * nc + c) * P + p, mask=pm, other=0.0)
+    zr, zeta, phi, do = _stage_inputs(stage_in, TP, RP, HAS_Z, HAS_OUT, GRAD, OPAQUE)
     gate = 1.0
     if HAS_Z:
         u = zr * zeta
@@ -138,7 +183,6 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         gate = u * sig
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(raw * raw, axis=1) / P + eps)
-        nw = tl.load(norm_w + h * P + p, mask=pm, other=0.0)
         y = raw * rstd[:, None] * nw[None, :]
     else:
         y = raw
@@ -152,21 +196,22 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
             tl.store(out + r_at + r_row[:, None] + p[None, :],
                      (gate * y).to(out.dtype.element_ty), mask=rp_ok)
     else:
-        rk = tl.arange(0, RP)
-        part = (bh * nc + c) * R * P + rk[:, None] * P + p[None, :]
-        rank_ok = (rk < R)[:, None] & pm[None, :]
         g_y = do * phi * gate  # d loss / d y
+        # added to what the groups of batch entries before left there (common.store_or_add)
         if HAS_OUT:
-            store_or_add(part_o + part, _step_sums(do * gate * y, RP), rank_ok, True)
+            tl.store(part_o + part, landed(o_before, OPAQUE) + _step_sums(do * gate * y, RP),
+                     mask=rank_ok)
         if HAS_Z:
             # silu'(u) = sig (1 + u (1 - sig))
             du = do * phi * y * sig * (1.0 + u * (1.0 - sig))
-            store_or_add(part_z + part, _step_sums(du * zr, RP), rank_ok, True)
+            tl.store(part_z + part, landed(z_before, OPAQUE) + _step_sums(du * zr, RP),
+                     mask=rank_ok)
             tl.store(dz + s_at + s_row[:, None] + p[None, :],
                      _rank_sums(du * zeta, RP).to(dz.dtype.element_ty), mask=tp_ok)
         if NORM:
-            store_or_add(part_w + (bh * nc + c) * P + p,
-                         tl.sum(g_y * raw * rstd[:, None], axis=0), pm, True)
+            tl.store(part_w + (bh * nc + c) * P + p,
+                     landed(w_before, OPAQUE) + tl.sum(g_y * raw * rstd[:, None], axis=0),
+                     mask=pm)
             g_raw = tl.sum(g_y * nw[None, :] * raw, axis=1)  # sum_p w g_y raw_y
             d_raw = (rstd[:, None] * nw[None, :] * g_y
                      - raw * (rstd * rstd * rstd * g_raw / P)[:, None])
@@ -206,4 +251,4 @@ def launch(*, q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, norm_w, ter
         sks=ks[1], skr=ks[2], skg=ks[3], skn=ks[4], svb=vs[0], svs=vs[1], svh=vs[2],
         svp=vs[3], TP=m.TP, RP=m.RP, BJ=max(16, min(block_pairs(P), next_pow2(N // 2))),
         BP=max(16, next_pow2(P)), HAS_Z=has_z, HAS_D=has_d, HAS_OUT=has_out,
-        NORM=norm, GRAD=grad, PREC=m.PREC), OPTIONS)
+        NORM=norm, GRAD=grad, PREC=m.PREC, OPAQUE=m.OPAQUE), OPTIONS)

@@ -1,13 +1,14 @@
 """The whole operator's own kernels (chunk_forward, phase 2's chunk_grads_qk and chunk_grads_v)
 work on whole chunks: one program holds a chunk's (step, rank) rows (row = t * RP + r) and walks
 N in blocks of BJ pair columns and P in blocks of BP columns, so that its tiles stay within the
-registers and shared memory of one program. Here: what such a program loads, and the reshapes
-between rows and steps."""
+registers and shared memory of one program. Here: what such a program loads, each load apart
+from the math that uses it (a program issues a step's loads together and waits for memory
+once, common.landed), and the reshapes between rows and steps."""
 import triton
 import triton.language as tl
 
-from .common import (landed, load_cos_sin, load_mimo_v, load_pair_columns, mac, psi_v_rows,
-                     rotate_pairs, sigmoid)
+from .common import (landed, load_cos_sin, load_mimo_v, load_pair_columns, mac, rotate_pairs,
+                     sigmoid)
 from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
 
 
@@ -35,25 +36,10 @@ def step_sums(x, RP: tl.constexpr):
 
 
 @triton.jit
-def chunk_terms(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr):
-    """The per-step terms of chunk c of (b*h) bh (both 64-bit), for the rows (t, r) of
-    chunk_rows: which rows exist, the steps ts and which of them exist, gamma and trap_scale
-    per step, K_DECAY and Q_DECAY per row, and the causal weights per pair of steps:
-    E = exp(segsum) before the diagonal (else 0) and W = E trap_scale[t'] + gamma on the
-    diagonal ([TP, TP]). chunk_term_loads, then chunk_weights."""
-    rows = (t < C) & (r < R)
-    ts = tl.arange(0, TP)
-    steps = ts < C
-    gamma, trap_scale, k_decay, q_decay, seg = chunk_term_loads(
-        terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
-    e, w = chunk_weights(gamma, trap_scale, seg, C, TP)
-    return rows, ts, steps, gamma, trap_scale, k_decay, q_decay, e, w
-
-
-@triton.jit
 def chunk_term_loads(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr):
-    """chunk_terms' loads: gamma, trap_scale [TP], K_DECAY, Q_DECAY [rows] and segsum [TP, TP]
-    (zero where a step does not exist or on and above the diagonal)."""
+    """The per-step terms of chunk c of (b*h) bh (both 64-bit) for the rows (t, r) of
+    chunk_rows, as stored (chunk_weights' input): gamma, trap_scale [TP], K_DECAY, Q_DECAY per
+    row and segsum [TP, TP] (zero where a step does not exist and on and above the diagonal)."""
     row = bh * S_pad + c * C  # the chunk's first step in the [B*H, S_pad] planes
     rows = (t < C) & (r < R)
     ts = tl.arange(0, TP)
@@ -70,7 +56,8 @@ def chunk_term_loads(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.
 
 @triton.jit
 def chunk_weights(gamma, trap_scale, seg, C, TP: tl.constexpr):
-    """(E, W) [TP, TP] of chunk_terms from its loads."""
+    """The causal weights per pair of steps from chunk_term_loads': E = exp(segsum) before the
+    diagonal (else 0) and W = E trap_scale[t'] + gamma on the diagonal ([TP, TP])."""
     ts = tl.arange(0, TP)
     steps = ts < C
     before = (ts[None, :] < ts[:, None]) & steps[:, None] & steps[None, :]
@@ -81,20 +68,10 @@ def chunk_weights(gamma, trap_scale, seg, C, TP: tl.constexpr):
 
 
 @triton.jit
-def pair_block(x_at, row_off, rows, bias_at, bias_off, cos_at, sin_at, cs_off, j0, HALF, RD,
-               stride_n, BJ: tl.constexpr):
-    """cos, sin and (x + bias) rotated on the pair columns j0..j0+BJ of the rows, as
-    [rows, BJ] tiles (x_at, cos_at, sin_at at the chunk's first step)."""
-    cs, sn, x1, x2, b1, b2 = rotation_inputs(x_at, row_off, rows, bias_at, bias_off, cos_at,
-                                             sin_at, cs_off, j0, HALF, RD, stride_n, BJ)
-    x1, x2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
-    return cs, sn, x1, x2
-
-
-@triton.jit
 def rotation_inputs(x_at, row_off, rows, bias_at, bias_off, cos_at, sin_at, cs_off, j0, HALF, RD,
                     stride_n, BJ: tl.constexpr):
-    """pair_block's loads: cos, sin [rows, BJ], x's pair columns as stored and the bias's."""
+    """cos, sin [rows, BJ] of the pair columns j0..j0+BJ of the rows and those columns of x
+    and of its bias as stored (x_at, cos_at, sin_at at the chunk's first step)."""
     cs, sn = load_cos_sin(cos_at, sin_at, cs_off, rows, j0, BJ, RD)
     x1, x2 = load_pair_columns(x_at, row_off, rows, j0, BJ, HALF, stride_n)
     b1, b2 = load_pair_columns(bias_at, bias_off, rows, j0, BJ, HALF, 1)
@@ -103,21 +80,14 @@ def rotation_inputs(x_at, row_off, rows, bias_at, bias_off, cos_at, sin_at, cs_o
 
 @triton.jit
 def v_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP: tl.constexpr, RP: tl.constexpr):
-    """psiv_block's loads: (p, p mask, v [TP, BP] as stored, the head's mimo_v rows [RP, BP])."""
+    """(p, p mask, v [TP, BP] as stored, the head's mimo_v rows [RP, BP]) of the columns
+    p0..p0+BP (v_at at the chunk's first step, mimo_v_at at the head's [R, P] block): PsiV's
+    inputs (common.psi_v_rows)."""
     p = p0 + tl.arange(0, BP)
     pm = p < P
     xv = tl.load(v_at + ts[:, None] * svs + p[None, :] * svp,
                  mask=steps[:, None] & pm[None, :], other=0.0)
     return p, pm, xv, load_mimo_v(mimo_v_at, R, p, pm, P, RP)
-
-
-@triton.jit
-def psiv_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP: tl.constexpr,
-               RP: tl.constexpr):
-    """(p, p mask, PsiV [rows, BP]) of the columns p0..p0+BP (v_at at the chunk's first step,
-    mimo_v_at at the head's [R, P] block)."""
-    p, pm, xv, mv = v_block(v_at, ts, steps, svs, svp, mimo_v_at, R, P, p0, BP, RP)
-    return p, pm, psi_v_rows(xv, mv)
 
 
 @triton.jit
