@@ -223,18 +223,20 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
     kc, vc, cos_c, sin_c, w_c = kc + k_step, vc + v_step, cos_c + C * RD, sin_c + C * RD, w_c + C
     x1, x2, cs, sn, w, xv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, n_inc > 1,
                                           p, pm, sks, skr, skn, svs, svp, j0, HALF, RD, BJ)
-    # da_cs at the end of each chunk, one chunk ahead as well: loaded where it is used, this
-    # scalar held up every step of the chain (18 % of the scan's stall samples)
+    # da_cs at the end of each chunk, loaded a chunk ahead of its use: loaded where it is used,
+    # this scalar held up every step of the chain (18 % of the scan's stall samples)
     log_decay = tl.load(da_cs + row + C - 1)
+    log_decay1 = tl.load(da_cs + row + 2 * C - 1, mask=n_ch > 1, other=0.0)
     for c in range(0, n_ch - 1):
-        # chunk c + 2's
+        # chunk c + 2's inputs, a whole iteration ahead of their use where the increment's dot is
+        # a warp-level mma (SYNC); a wgmma is preceded by a proxy fence that waits for every
+        # load in flight, so there they are loaded after the dot (below)
         kc, vc = kc + k_step, vc + v_step
         cos_c, sin_c, w_c = cos_c + C * RD, sin_c + C * RD, w_c + C
-        nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt,
-                                                    c + 2 < n_inc, p, pm, sks, skr, skn, svs, svp,
-                                                    j0, HALF, RD, BJ)
-        # chunk c + 1's, within the chain since c + 2 <= n_ch
-        next_log_decay = tl.load(da_cs + row + (c + 2) * C - 1)
+        if SYNC:
+            nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(
+                kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, c + 2 < n_inc, p, pm, sks, skr,
+                skn, svs, svp, j0, HALF, RD, BJ)
         decay = tl.exp(log_decay)
         run1 = run1 * decay + inc1
         run2 = run2 * decay + inc2
@@ -247,8 +249,14 @@ def state_scan_kernel(k, v, k_bias, mimo_v, terms, cos, sin, da_cs, states, keep
             tl.store(keep + so + off + HALF * P, run2, mask=m & tile_start)
         # chunk c + 1's increment (zero past the last chunk that has one: its inputs are masked)
         inc1, inc2 = _increment(x1, x2, b1, b2, cs, sn, w, xv, mv, PREC, SYNC, OPAQUE)
+        if not SYNC:
+            nx1, nx2, ncs, nsn, nw, nxv = _chunk_inputs(
+                kc, vc, cos_c, sin_c, w_c, C, t, r, rows, tt, c + 2 < n_inc, p, pm, sks, skr,
+                skn, svs, svp, j0, HALF, RD, BJ)
         x1, x2, cs, sn, w, xv = nx1, nx2, ncs, nsn, nw, nxv
-        log_decay = next_log_decay
+        # chunk c + 2's decay (within the chain where c + 2 < n_ch)
+        log_decay, log_decay1 = log_decay1, tl.load(da_cs + row + (c + 3) * C - 1,
+                                                    mask=c + 2 < n_ch, other=0.0)
     if FINALS:  # the last chunk's update: its increment and decay are the loop's last
         decay = tl.exp(log_decay)
         fo = init_row * N * P + off
