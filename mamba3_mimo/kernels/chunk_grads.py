@@ -38,7 +38,8 @@ from .common import (chain, chunk_rows, landed, load_cos_sin, load_pair_columns,
 from .step_terms import Q_DECAY
 from .whole_chunk import (chunk_pointers, chunk_scores, chunk_term_loads, chunk_weights,
                           dy_loads, dy_of, qk_pair_loads, qk_pairs, rotation_inputs,
-                          rows_of_steps, state_block, step_sums, steps_of_rows, v_block)
+                          prefetch_state_block, rows_of_steps, state_block, step_sums,
+                          steps_of_rows, v_block)
 
 
 @triton.jit(do_not_specialize=["S_pad", "n_bh", "nc", "plane", "sqb"])
@@ -180,7 +181,7 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
                           svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
                           BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                           HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
-                          OPAQUE: tl.constexpr):
+                          OPAQUE: tl.constexpr, PREFETCH: tl.constexpr):
     """dQr = (dP W) Kr + Q_DECAY dY states[c]^T and dKr = (dP W)^T Qr + K_DECAY PsiV
     dstates[c + 1]^T on one block of BJ pair columns, rotated back and summed over the heads of a
     group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
@@ -219,6 +220,11 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
             HG, R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
         st_at = states + (bh * nc + c) * N * P
         ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
+        # the next head's blocks of the two states, read from memory once, asked into L2 while
+        # this head computes (a hint: no registers, no wait)
+        more = hh + 1 < HG
+        prefetch_state_block(st_at + nc * N * P, j0, 0, HALF, P, more, BJ, BP, PREFETCH)
+        prefetch_state_block(ds_at + (nc + 1) * N * P, j0, 0, HALF, P, more, BJ, BP, PREFETCH)
         # one walk over P: dP = dY PsiV^T, dY states^T and PsiV dstates^T on the block's pairs;
         # each block's loads are issued before any of its math, so that it waits for memory once
         dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)
@@ -294,7 +300,7 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
                          BJ: tl.constexpr, BP: tl.constexpr, NJB: tl.constexpr,
                          HAS_D: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                          HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
-                         OPAQUE: tl.constexpr):
+                         OPAQUE: tl.constexpr, PREFETCH: tl.constexpr):
     """dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY with Sc = Qr Kr^T, and the per-step
     gradients, per (b*h, chunk) (b*h fastest: a group's heads read the same q and k together).
     Sc in one walk over N in blocks of BJ pairs; then per block of BP columns of P, Kr
@@ -315,6 +321,11 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
         q, k, v, mimo_v, cos, sin, (dy, dout, z, mimo_o, mimo_z), t, r, b, h, c, S_pad, H, HG,
         R, C, N, P, RD, sqb, sqs, sqr, sqg, skb, sks, skr, skg, svb, svs, svh, TP, BA)
     ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
+    # the state's gradient, read from memory by the walks over N, asked into L2 while the scores
+    # are computed (a hint: no registers, no wait)
+    for p0 in range(0, P, BP):
+        for j0 in range(0, HALF, BJ):
+            prefetch_state_block(ds_at, j0, p0, HALF, P, True, BJ, BP, PREFETCH)
     # what the per-step gradients read at the end, loaded with the per-step terms, first
     jbs = tl.arange(0, NJB)
     jb_ok = jbs < n_jb
@@ -593,10 +604,10 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
         *join,
         Launch(chunk_grads_qk_kernel, (n_jb * B * G * nc,), dict(
             states=states, dq=dq, dk=dk, part_qb=part_qb, part_kb=part_kb, d_angles=d_angles,
-            n_bg=B * G, G=G, BJ=cfg.BJ, BP=cfg.BP, **inputs),
+            n_bg=B * G, G=G, BJ=cfg.BJ, BP=cfg.BP, PREFETCH=2 if m.OPAQUE else 0, **inputs),
             dict(num_warps=cfg.QK_WARPS, num_stages=1)),
         Launch(chunk_grads_v_kernel, (B * H * nc,), dict(
             d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dv=dv, part_psi=part_psi, part_d=part_d,
             d_gamma=d_gamma, d_trap_scale=d_trap_scale, d_adt=d_adt, n_jb=n_jb,
-            NJB=next_pow2(n_jb), HAS_D=m.HAS_D, BJ=cfg.V_BJ, BP=cfg.V_BP, **inputs),
+            NJB=next_pow2(n_jb), PREFETCH=2 if m.OPAQUE else 0, HAS_D=m.HAS_D, BJ=cfg.V_BJ, BP=cfg.V_BP, **inputs),
             dict(num_warps=cfg.V_WARPS, num_stages=1))]

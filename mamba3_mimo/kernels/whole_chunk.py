@@ -7,8 +7,8 @@ once, common.landed), and the reshapes between rows and steps."""
 import triton
 import triton.language as tl
 
-from .common import (landed, load_cos_sin, load_mimo_v, load_pair_columns, mac, rotate_pairs,
-                     sigmoid)
+from .common import (landed, load_cos_sin, load_mimo_v, load_pair_columns, mac, prefetch_steps,
+                     rotate_pairs, sigmoid)
 from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
 
 
@@ -184,6 +184,17 @@ def state_block(at, j0, p0, HALF, P, BJ: tl.constexpr, BP: tl.constexpr):
     off = j[:, None] * P + p[None, :]
     return (tl.load(at + off, mask=m, other=0.0).to(tl.float32),
             tl.load(at + HALF * P + off, mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def prefetch_state_block(at, j0, p0, HALF, P, ok, BJ: tl.constexpr, BP: tl.constexpr,
+                         LEVEL: tl.constexpr):
+    """common.prefetch of state_block's two halves at `at` (rows j0..j0+BJ and HALF + those,
+    columns p0..p0+BP), where ok."""
+    j = j0 + tl.arange(0, BJ)
+    rows_ok = (j < HALF) & ok
+    prefetch_steps(at, j * P, rows_ok, p0, 1, BP, LEVEL)
+    prefetch_steps(at + HALF * P, j * P, rows_ok, p0, 1, BP, LEVEL)
 
 
 @triton.jit
