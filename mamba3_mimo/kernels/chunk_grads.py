@@ -221,10 +221,12 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         st_at = states + (bh * nc + c) * N * P
         ds_at = dstates + (bh * (nc + 1) + c + 1) * N * P
         # the next head's blocks of the two states, read from memory once, asked into L2 while
-        # this head computes (a hint: no registers, no wait)
-        more = hh + 1 < HG
-        prefetch_state_block(st_at + nc * N * P, j0, 0, HALF, P, more, BJ, BP, PREFETCH)
-        prefetch_state_block(ds_at + (nc + 1) * N * P, j0, 0, HALF, P, more, BJ, BP, PREFETCH)
+        # this head computes (a hint: no registers, no wait); the last head asks for its own,
+        # so that no address leaves the tensors
+        more = (hh + 1 < HG).to(tl.int64)
+        prefetch_state_block(st_at + more * nc * N * P, j0, 0, HALF, P, True, BJ, BP, PREFETCH)
+        prefetch_state_block(ds_at + more * (nc + 1) * N * P, j0, 0, HALF, P, True, BJ, BP,
+                             PREFETCH)
         # one walk over P: dP = dY PsiV^T, dY states^T and PsiV dstates^T on the block's pairs;
         # each block's loads are issued before any of its math, so that it waits for memory once
         dp = tl.zeros([ROWS, ROWS], dtype=tl.float32)
