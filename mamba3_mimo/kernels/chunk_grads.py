@@ -309,8 +309,8 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     dstates[c + 1] in a second walk over N, dP = dY PsiV^T and dPsiV, which gives dv
     [B, S_pad, H, P] and the chunk's shares of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d
     [B*H, nc], HAS_D), these two added to what is there (common.store_or_add). Then d_gamma, d_trap_scale and d_adt [B, H, S_pad] from Sc dP summed over
-    the ranks and chunk_grads_qk_kernel's shares part_cs, part_carried (added over its n_jb
-    blocks in order); all fp32."""
+    the ranks and chunk_grads_qk_kernel's shares part_cs, part_carried (summed over its n_jb
+    blocks, NJB = next_pow2(n_jb), in a fixed order); all fp32."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
     b, h = bh // H, bh % H
@@ -382,7 +382,7 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     if HAS_D:
         # added to the groups' before, as store_or_add does for the blocks
         tl.store(part_d + bh * nc + c, tl.load(part_d + bh * nc + c) + d_sum)
-    # chunk_grads_qk_kernel's shares, added over its pair blocks in order
+    # chunk_grads_qk_kernel's shares, summed over its pair blocks (a fixed order)
     d_cs = tl.sum(cs_parts, axis=0)  # sum_n Qr dQr's inter-chunk term per step
     carried = tl.sum(carried_parts, axis=0)  # <dstates[c + 1], states[c]>
     # per-step gradients: gamma, trap_scale and ADT through the decay pieces
