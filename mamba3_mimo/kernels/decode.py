@@ -16,10 +16,10 @@ CUDA graph."""
 import triton
 import triton.language as tl
 
-from ..runtime.device import on_device
+from ..runtime.device import interpreter_active, on_device
 from ..runtime.launcher import Launch
 from . import next_pow2
-from .common import dot, load_pair_columns, load_rotated, tanh
+from .common import dot, landed, load_pair_columns, rotate_pairs, tanh
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
                        RK: tl.constexpr, BJ: tl.constexpr, PP: tl.constexpr,
                        HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_OUT: tl.constexpr,
                        NORM: tl.constexpr, NORM_W: tl.constexpr, PREC: tl.constexpr,
-                       TWO_PI: tl.constexpr, PREPARED: tl.constexpr):
+                       TWO_PI: tl.constexpr, PREPARED: tl.constexpr, OPAQUE: tl.constexpr):
     """One (b, h) per program. q, k [B, R, G, N]; v, z [B, H, P]; adt, dt, trap [B, H] (strides
     sxb, sxh; sdb, sdh; stb, sth); angles_raw [B, H, RD]; norm_w [H * P] (NORM_W, else ones);
     angle [B, H, RD], state [B, H, P, N], k_prev [B, R, H, N] (fp32) and v_prev [B, H, P],
@@ -69,29 +69,32 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
     kp_at = k_prev + b * R * H * N + h * N  # rank r at r * H * N
     for j0 in range(0, HALF, BJ):
         j = j0 + tl.arange(0, BJ)
-        if PREPARED:
-            q1, q2 = load_pair_columns(q + b * sqb + g * sqg, r * sqr, rm, j0, BJ, HALF, sqn)
-            k1, k2 = load_pair_columns(k + b * skb + g * skg, r * skr, rm, j0, BJ, HALF, skn)
-            q1, q2, k1, k2 = (q1.to(tl.float32), q2.to(tl.float32), k1.to(tl.float32),
-                              k2.to(tl.float32))
-        else:
-            rot = j < RD
-            old = tl.load(angle + bh * RD + j, mask=rot, other=0.0)
-            x = tl.load(angles_raw + b * sab + h * sah + j * sar, mask=rot, other=0.0)
-            new = old + tanh(x) * (TWO_PI / 2) * step_dt
-            new = new - TWO_PI * tl.floor(new / TWO_PI)
-            cs = tl.where(rot, tl.cos(new), 1.0)[None, :]
-            sn = tl.where(rot, tl.sin(new), 0.0)[None, :]
-            q1, q2 = load_rotated(q + b * sqb + g * sqg, r * sqr, rm, q_bias, (h * R + r) * N,
-                                  cs, sn, j0, BJ, HALF, sqn, True)
-            k1, k2 = load_rotated(k + b * skb + g * skg, r * skr, rm, k_bias, (h * R + r) * N,
-                                  cs, sn, j0, BJ, HALF, skn, True)
-        kp1, kp2 = load_pair_columns(kp_at, r * H * N, rm, j0, BJ, HALF, 1)
-        kp1, kp2 = kp1.to(tl.float32), kp2.to(tl.float32)
+        # every load of the block before any of its math, so that the program waits for memory
+        # once per block (common.landed)
         s_ok = (j < HALF)[:, None] & pm[None, :]
         s_off = p[None, :] * N + j[:, None]  # [BJ, PP] of the [P, N] state
         h1 = tl.load(st + s_off, mask=s_ok, other=0.0)
         h2 = tl.load(st + s_off + HALF, mask=s_ok, other=0.0)
+        kp1, kp2 = load_pair_columns(kp_at, r * H * N, rm, j0, BJ, HALF, 1)
+        q1, q2 = load_pair_columns(q + b * sqb + g * sqg, r * sqr, rm, j0, BJ, HALF, sqn)
+        k1, k2 = load_pair_columns(k + b * skb + g * skg, r * skr, rm, j0, BJ, HALF, skn)
+        if not PREPARED:
+            rot = j < RD
+            old = tl.load(angle + bh * RD + j, mask=rot, other=0.0)
+            x = tl.load(angles_raw + b * sab + h * sah + j * sar, mask=rot, other=0.0)
+            qb1, qb2 = load_pair_columns(q_bias, (h * R + r) * N, rm, j0, BJ, HALF, 1)
+            kb1, kb2 = load_pair_columns(k_bias, (h * R + r) * N, rm, j0, BJ, HALF, 1)
+        h1, h2 = landed(h1, OPAQUE), landed(h2, OPAQUE)
+        kp1, kp2 = landed(kp1, OPAQUE), landed(kp2, OPAQUE)
+        q1, q2 = landed(q1, OPAQUE), landed(q2, OPAQUE)
+        k1, k2 = landed(k1, OPAQUE), landed(k2, OPAQUE)
+        if not PREPARED:
+            new = landed(old, OPAQUE) + tanh(landed(x, OPAQUE)) * (TWO_PI / 2) * step_dt
+            new = new - TWO_PI * tl.floor(new / TWO_PI)
+            cs = tl.where(rot, tl.cos(new), 1.0)[None, :]
+            sn = tl.where(rot, tl.sin(new), 0.0)[None, :]
+            q1, q2 = rotate_pairs(q1, q2, landed(qb1, OPAQUE), landed(qb2, OPAQUE), cs, sn, True)
+            k1, k2 = rotate_pairs(k1, k2, landed(kb1, OPAQUE), landed(kb2, OPAQUE), cs, sn, True)
         # sum_r k[r, j] psiv[r, p]: dots over the rank rows
         h1 = decay * (h1 + shifted * dot(tl.trans(kp1), psiv_prev, PREC)) + gamma * dot(
             tl.trans(k1), psiv, PREC)
@@ -176,4 +179,5 @@ def launch(*, q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z, mimo_o,
             stb=trap.stride(0), sth=trap.stride(1), sob=sob, sor=sor, soh=soh, sop=sop, RK=max(16, next_pow2(R)),
             BJ=block_pairs(B * H, N), PP=next_pow2(P), HAS_Z=has_z,
             HAS_D=has_d, HAS_OUT=has_out, NORM=norm, NORM_W=norm_w_given, PREC=precision,
-            TWO_PI=TWO_PI, PREPARED=prepared), dict(OPTIONS)).run()
+            TWO_PI=TWO_PI, PREPARED=prepared, OPAQUE=not interpreter_active()),
+            dict(OPTIONS)).run()
