@@ -338,15 +338,16 @@ def segment_join_kernel(states, finals, init, da_cs, seg_bounds, seg_seq, seg_fi
         for i0 in range(0, n, CHUNKS):
             at_chunk = i0 + tl.arange(0, CHUNKS)
             c = lo + at_chunk
+            # both loads before the math, so that the block waits for memory once
+            at = tl.cast(c, tl.int64)[:, None] * NP_SIZE + e[None, :]
+            mm = (at_chunk < n)[:, None] & m[None, :]
+            x = tl.load(row + at, mask=mm)
             decay = tl.load(ends + c * C, mask=at_chunk < n, other=0.0)
             prior = before + tl.cumsum(decay, 0) - decay  # chunks before c in the segment
             if REVERSE:
                 log_weight = total - prior
             else:
                 log_weight = prior
-            at = tl.cast(c, tl.int64)[:, None] * NP_SIZE + e[None, :]
-            mm = (at_chunk < n)[:, None] & m[None, :]
-            x = tl.load(row + at, mask=mm)
             tl.store(row + at, x + tl.exp(log_weight)[:, None] * carried[None, :], mask=mm)
             before += tl.sum(decay, 0)
 
