@@ -99,17 +99,17 @@ def dy_loads(src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP: tl.constexp
     (at the chunk's first row, y_row the rows' offsets) in all four places; or with GATED, dy
     recomputed as dout[t, p] MIMO_Out[r, p] silu(z[t, p] MIMO_Z[r, p]) (no silu without Z), the
     gradient through the reduce-O gate, which reads a quarter of the buffer's bytes at R = 4 and
-    needs no buffer: dout and z [TP, BP] (at the chunk's first step; v's strides svs, svp) in
-    fp32 and the head's MIMO_Out and MIMO_Z rows [RP, BP] (without HAS_Z dout and MIMO_Out in
+    needs no buffer: dout and z [TP, BP] as stored (at the chunk's first step; v's strides svs,
+    svp) and the head's MIMO_Out and MIMO_Z rows [RP, BP] (without HAS_Z dout and MIMO_Out in
     z's and MIMO_Z's places)."""
     dy_at, dout_at, z_at, mo_at, mz_at = src
     if GATED:
         m = steps[:, None] & pm[None, :]
         off = ts[:, None] * svs + p[None, :] * svp
-        d_out = tl.load(dout_at + off, mask=m, other=0.0).to(tl.float32)
+        d_out = tl.load(dout_at + off, mask=m, other=0.0)
         mo = load_mimo_v(mo_at, R, p, pm, P, RP)
         if HAS_Z:
-            return (d_out, tl.load(z_at + off, mask=m, other=0.0).to(tl.float32), mo,
+            return (d_out, tl.load(z_at + off, mask=m, other=0.0), mo,
                     load_mimo_v(mz_at, R, p, pm, P, RP))
         return d_out, d_out, mo, mo
     else:
@@ -121,8 +121,8 @@ def dy_loads(src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP: tl.constexp
 @triton.jit
 def dy_of(loaded, HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
           LAND: tl.constexpr = False):
-    """dy [rows, BP] from dy_loads' tiles, each landed first (common.landed, LAND); FAST:
-    common.sigmoid's."""
+    """dy [rows, BP] fp32 from dy_loads' tiles, each landed first (common.landed, LAND, which
+    also converts them to fp32); FAST: common.sigmoid's."""
     d_out, zz, mo, mz = loaded
     if GATED:
         g = landed(d_out, LAND)[:, None, :] * landed(mo, LAND)[None, :, :]
