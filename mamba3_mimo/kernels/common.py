@@ -274,15 +274,21 @@ def gate_epilogue_steps(raw, dout_ptr, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, 
     """
     m = t_mask[:, None] & p_mask[None, :]
     off = t_off[:, None] + p[None, :] * stride_p
-    dout = tl.load(dout_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
     r = tl.arange(0, raw.shape[1])
     hm = (r < R)[:, None] & p_mask[None, :]
     hoff = r[:, None] * P + p[None, :]
+    # the loads together, then the math (landed: FAST 2 is the GPU's inline assembly)
+    dout = tl.load(dout_ptr + off, mask=m, other=0.0)
     z, zeta, phi = 0.0, 0.0, 0.0
     if HAS_Z:
         phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)  # [RP, BP]
-        z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)[:, None, :]
-        zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :]
+        z = tl.load(z_ptr + off, mask=m, other=0.0)
+        zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)
+    dout = landed(dout, FAST == 2)[:, None, :]
+    if HAS_Z:
+        phi = landed(phi, FAST == 2)
+        z = landed(z, FAST == 2)[:, None, :]
+        zeta = landed(zeta, FAST == 2)[None, :, :]
         gate, d_gate = silu_terms(z * zeta, FAST)
         dr = dout * raw
         g_o, h = dr * gate, dr * d_gate
@@ -307,11 +313,15 @@ def gate_output_steps(raw, z_ptr, t_off, t_mask, mimo_o, mimo_z, R, p, p_mask, P
     r = tl.arange(0, raw.shape[1])
     hm = (r < R)[:, None] & p_mask[None, :]
     hoff = r[:, None] * P + p[None, :]
-    y = raw * tl.load(mimo_o + hoff, mask=hm, other=0.0)[None, :, :]
+    # the loads together, then the math (landed: FAST 2 is the GPU's inline assembly)
+    phi = tl.load(mimo_o + hoff, mask=hm, other=0.0)
     if HAS_Z:
-        z = tl.load(z_ptr + t_off[:, None] + p[None, :] * stride_p, mask=m,
-                    other=0.0).to(tl.float32)[:, None, :]
-        gate, _ = silu_terms(z * tl.load(mimo_z + hoff, mask=hm, other=0.0)[None, :, :], FAST)
+        z = tl.load(z_ptr + t_off[:, None] + p[None, :] * stride_p, mask=m, other=0.0)
+        zeta = tl.load(mimo_z + hoff, mask=hm, other=0.0)
+    y = raw * landed(phi, FAST == 2)[None, :, :]
+    if HAS_Z:
+        u = landed(z, FAST == 2)[:, None, :] * landed(zeta, FAST == 2)[None, :, :]
+        gate, _ = silu_terms(u, FAST)
         y = y * gate
     tl.store(out_ptr + out_off[:, None] + p[None, :],
              tl.sum(y, axis=1).to(out_ptr.dtype.element_ty), mask=m)
