@@ -336,6 +336,9 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     carried_parts = tl.load(part_carried + (jbs * n_bh + bh) * nc + c, mask=jb_ok, other=0.0)
     rev = tl.load(da_cs_rev + row + ts, mask=steps, other=0.0)
     log_end = tl.load(da_cs + row + C - 1)
+    if HAS_D:
+        d_h = tl.load(d + h)
+        d_before = tl.load(part_d + bh * nc + c)  # what the groups of batch entries left there
     gamma, trap_scale, k_decay, q_decay, seg = chunk_term_loads(
         terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
     sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
@@ -369,7 +372,7 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
         inter_k_rows += tl.sum(psiv * kd, axis=1)
         dpv = mac(k_decay[:, None] * kd, tl.trans(sc * rows_of_steps(w, RP)), d_y, PREC)
         if HAS_D:
-            dpv += tl.load(d + h) * d_y
+            dpv += d_h * d_y
             d_sum += tl.sum(tl.sum(d_y * psiv, axis=1), axis=0)
         # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
         dpv3 = tl.reshape(dpv, (TP, RP, BP))
@@ -380,8 +383,7 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
         tl.store(part_psi + psi_at + p[None, :],
                  psi_before + tl.sum(dpv3 * xv[:, None, :], axis=0), mask=psi_ok)
     if HAS_D:
-        # added to the groups' before, as store_or_add does for the blocks
-        tl.store(part_d + bh * nc + c, tl.load(part_d + bh * nc + c) + d_sum)
+        tl.store(part_d + bh * nc + c, d_before + d_sum)
     # chunk_grads_qk_kernel's shares, summed over its pair blocks (a fixed order)
     d_cs = tl.sum(cs_parts, axis=0)  # sum_n Qr dQr's inter-chunk term per step
     carried = tl.sum(carried_parts, axis=0)  # <dstates[c + 1], states[c]>
