@@ -147,7 +147,7 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
     for j0 in range(0, HALF, BJ):
         pairs_in = qk_pair_loads(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at,
                                  sin_at, cs_off, j0, HALF, RD, sqn, skn, BJ)
-        cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE)
+        cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE, True)
         # the state's block after the rotation: loaded before it, the block and the pair
         # tiles together spilled 384 bytes per thread instead of 120 (N128_P64_R4_C16, sm_90)
         st1, st2 = state_block(st_at, j0, 0, HALF, P, BJ, BP)

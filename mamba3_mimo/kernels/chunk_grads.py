@@ -263,7 +263,7 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         k_decay, q_decay = landed(k_decay, OPAQUE), landed(q_decay, OPAQUE)
         _, w = chunk_weights(landed(gamma, OPAQUE), landed(trap_scale, OPAQUE),
                              landed(seg, OPAQUE), C, TP)
-        cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE)
+        cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE, False)
         sq1, sq2 = landed(sq1, OPAQUE), landed(sq2, OPAQUE)
         sk1, sk2 = landed(sk1, OPAQUE), landed(sk2, OPAQUE)
         dq1 = q_decay[:, None] * dq1

@@ -7,8 +7,8 @@ once, common.landed), and the reshapes between rows and steps."""
 import triton
 import triton.language as tl
 
-from .common import (landed, load_cos_sin, load_mimo_v, load_pair_columns, mac, prefetch_steps,
-                     rotate_pairs, sigmoid)
+from .common import (landed, load_cos_sin, load_mimo_v, load_pair_columns, mac, opaque,
+                     prefetch_steps, rotate_pairs, sigmoid)
 from .step_terms import GAMMA, K_DECAY, Q_DECAY, TRAP_SCALE
 
 
@@ -147,10 +147,19 @@ def qk_pair_loads(q_at, qrow, k_at, krow, rows, qb_at, kb_at, bias_off, cos_at, 
 
 
 @triton.jit
-def qk_pairs(loaded, LAND: tl.constexpr):
-    """(cos, sin, Qr's two halves, Kr's two halves) [rows, BJ] fp32 from qk_pair_loads', each
-    tile landed (common.landed, LAND) before its math."""
+def qk_pairs(loaded, LAND: tl.constexpr, AFTER: tl.constexpr):
+    """(cos, sin, Qr's two halves, Kr's two halves) [rows, BJ] fp32 from qk_pair_loads'. With
+    LAND the layout passes are kept from the loads (common.landed): each loaded tile landed
+    before the rotation, or with AFTER the rotation done on the tiles as loaded, in their
+    layout, and the six results behind `opaque`, whose conversions are then six rather than
+    ten (offline, sm_90: chunk_forward spilled 8-32 bytes per thread instead of 120-192 at
+    N128_P64_R4_C16 and N256_P64_R4_C8; chunk_grads_qk 16-40 more)."""
     cs, sn, x1, x2, xb1, xb2, y1, y2, yb1, yb2 = loaded
+    if AFTER:
+        q1, q2 = rotate_pairs(x1, x2, xb1, xb2, cs, sn, True)
+        k1, k2 = rotate_pairs(y1, y2, yb1, yb2, cs, sn, True)
+        return (opaque(cs, LAND), opaque(sn, LAND), opaque(q1, LAND), opaque(q2, LAND),
+                opaque(k1, LAND), opaque(k2, LAND))
     cs, sn = landed(cs, LAND), landed(sn, LAND)
     q1, q2 = rotate_pairs(landed(x1, LAND), landed(x2, LAND), landed(xb1, LAND),
                           landed(xb2, LAND), cs, sn, True)
@@ -169,7 +178,7 @@ def chunk_scores(q_at, qrow, k_at, krow, rows, qb_at, kb_at, bias_off, cos_at, s
     for j0 in range(0, HALF, BJ):
         _, _, q1, q2, k1, k2 = qk_pairs(qk_pair_loads(
             q_at, qrow, k_at, krow, rows, qb_at, kb_at, bias_off, cos_at, sin_at, cs_off, j0,
-            HALF, RD, sqn, skn, BJ), LAND)
+            HALF, RD, sqn, skn, BJ), LAND, True)
         sc = mac(mac(sc, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
     return sc
 
