@@ -26,9 +26,16 @@ pytestmark = pytest.mark.skipif(
 
 def compiled_resources(arch: int, N: int, P: int, R: int, C: int, *flags: str) -> dict:
     """{kernel name: (registers, stack bytes per thread, shared bytes)} of one call's kernels
-    compiled for compute capability `arch` (B=4, S=2048, H=16, G=1, bf16, Z and D on), by
-    offline.py in a process of its own: it needs Triton's compiler, and Triton picks the
-    interpreter that the CPU tests run under when the kernels are decorated."""
+    (compiled_kernels)."""
+    return {name: (r["registers"], r["stack"], r["shared"])
+            for name, r in compiled_kernels(arch, N, P, R, C, *flags).items()}
+
+
+def compiled_kernels(arch: int, N: int, P: int, R: int, C: int, *flags: str) -> dict:
+    """{kernel name: offline.py's dict (registers, stack, shared, num_warps, rounds)} of one
+    call's kernels compiled for compute capability `arch` (B=4, S=2048, H=16, G=1, bf16, Z and
+    D on), by offline.py in a process of its own: it needs Triton's compiler, and Triton picks
+    the interpreter that the CPU tests run under when the kernels are decorated."""
     path = [ROOT, TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.pop("TRITON_INTERPRET", None)
@@ -38,8 +45,7 @@ def compiled_resources(arch: int, N: int, P: int, R: int, C: int, *flags: str) -
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     line = [x for x in done.stdout.splitlines() if x.startswith("RESOURCES ")]
     assert len(line) == 1, done.stdout[-3000:]
-    return {name: (r["registers"], r["stack"], r["shared"])
-            for name, r in json.loads(line[0][len("RESOURCES "):]).items()}
+    return json.loads(line[0][len("RESOURCES "):])
 
 
 @pytest.mark.parametrize("arch, dims", [(89, (16, 64, 4, 8)), (89, (128, 64, 4, 16)),
@@ -70,6 +76,17 @@ def test_kernels_off_hopper(arch, dims):
 OPERATOR_MAX_STACK = 2304
 
 
+# offline.load_rounds of the kernels whose loads are issued per step, on sm_90 at
+# N128_P64_R4_C16 and N256_P64_R4_C8 with the fused norm (2026-12-05; before: state_grad 8,
+# chunk_grads_qk 15, chunk_grads_v 26-27, state_scan 2, chunk_forward 14 / 17, chunk_output's
+# forward / grad 12 / 13, the decode step 14 / 5, the segment join 5 / 6)
+MAX_ROUNDS = {"state_grad_kernel": 2, "chunk_grads_qk_kernel": 2, "chunk_grads_v_kernel": 2,
+              "state_scan_kernel": 1, "chunk_forward_kernel": 4, "chunk_forward_kernel.grad": 4,
+              "chunk_output_kernel.forward": 10, "chunk_output_kernel.grad": 11,
+              "decode_step_kernel": 11, "decode_step_kernel.prepared": 3,
+              "segment_join_kernel": 4, "segment_join_kernel.reverse": 5}
+
+
 @pytest.mark.parametrize("arch, dims, norm", [(90, (128, 64, 4, 16), False),
                                               (90, (256, 64, 4, 8), True),
                                               (89, (128, 128, 4, 8), False)],
@@ -80,8 +97,16 @@ def test_operator_kernels_fit(arch, dims, norm):
     chunk_output's tiles, or with the norm chunk_forward with and without GRAD; state_grad,
     chunk_grads_qk and _v, the preprocessing, the state pass), of a forward with the final
     states and of its decode steps (ours, and upstream's form) fits SMEM_LIMIT of shared
-    memory and spills at most OPERATOR_MAX_STACK bytes per thread."""
-    res = compiled_resources(arch, *dims, "--operator", *(["--norm"] if norm else []))
+    memory and spills at most OPERATOR_MAX_STACK bytes per thread. On sm_90 the kernels that
+    issue each step's loads together wait for memory no more often than when that landed
+    (MAX_ROUNDS, offline.load_rounds): an edit that puts a use, or a layout conversion, between
+    two of their loads shows here."""
+    kernels = compiled_kernels(arch, *dims, "--operator", *(["--norm"] if norm else []))
+    if arch == 90:
+        for name, bound in MAX_ROUNDS.items():
+            if name in kernels:
+                assert kernels[name]["rounds"] <= bound, (name, kernels[name])
+    res = {name: (r["registers"], r["stack"], r["shared"]) for name, r in kernels.items()}
     stage = (("chunk_forward_kernel", "chunk_forward_kernel.grad") if norm else
              ("chunk_output_kernel.forward", "chunk_output_kernel.grad"))
     for name in (*stage, "state_grad_kernel", "chunk_grads_qk_kernel", "chunk_grads_v_kernel",
