@@ -154,8 +154,7 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         sc = mac(mac(sc, q1, tl.trans(k1), PREC), q2, tl.trans(k2), PREC)
         acc = mac(mac(acc, q1, st1, PREC), q2, st2, PREC)
     # raw_y = (Sc W) PsiV + Q_DECAY Qr states[c] + D PsiV
-    _, w = chunk_weights(landed(gamma, OPAQUE), landed(trap_scale, OPAQUE), landed(seg, OPAQUE),
-                         C, TP)
+    _, w = chunk_weights(gamma, trap_scale, seg, C, TP, OPAQUE)
     psiv = psi_v_rows(landed(xv, OPAQUE), landed(mv, OPAQUE))
     raw = mac(landed(q_decay, OPAQUE)[:, None] * acc, sc * rows_of_steps(w, RP), psiv, PREC)
     if HAS_D:

@@ -261,8 +261,7 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         sk2 = tl.load(part_kb + bias_at + HALF, mask=bm, other=0.0)
         gamma, trap_scale, k_decay, q_decay, seg = term_in
         k_decay, q_decay = landed(k_decay, OPAQUE), landed(q_decay, OPAQUE)
-        _, w = chunk_weights(landed(gamma, OPAQUE), landed(trap_scale, OPAQUE),
-                             landed(seg, OPAQUE), C, TP)
+        _, w = chunk_weights(gamma, trap_scale, seg, C, TP, OPAQUE)
         cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE, False)
         sq1, sq2 = landed(sq1, OPAQUE), landed(sq2, OPAQUE)
         sk1, sk2 = landed(sk1, OPAQUE), landed(sk2, OPAQUE)
@@ -361,8 +360,7 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
             cs, sn, y1, y2, yb1, yb2 = rotation_inputs(k_at, krow, rows, k_bias, bias_off, cos_at,
                                                        sin_at, cs_off, j0, HALF, RD, skn, BJ)
             cs, sn = landed(cs, OPAQUE), landed(sn, OPAQUE)
-            k1, k2 = rotate_pairs(landed(y1, OPAQUE), landed(y2, OPAQUE), landed(yb1, OPAQUE),
-                                  landed(yb2, OPAQUE), cs, sn, True)
+            k1, k2 = rotate_pairs(y1, y2, yb1, yb2, cs, sn, True, OPAQUE)
             kd = mac(mac(kd, k1, ds1, PREC), k2, ds2, PREC)
         xv, mv = landed(xv, OPAQUE), landed(mv, OPAQUE)
         psiv = psi_v_rows(xv, mv)

@@ -104,12 +104,14 @@ def load_pair_columns(x_ptr, row_off, row_mask, j0, BJ: tl.constexpr, HALF, stri
 
 
 @triton.jit
-def rotate_pairs(x1, x2, b1, b2, cos, sin, ROTATE: tl.constexpr):
+def rotate_pairs(x1, x2, b1, b2, cos, sin, ROTATE: tl.constexpr, LAND: tl.constexpr = False):
     """rot(x + bias) on pair columns as two fp32 tiles:
     rot(x)[j] = cos x[j] - sin x[HALF+j];  rot(x)[HALF+j] = sin x[j] + cos x[HALF+j].
-    ROTATE=False skips the rotation for blocks that hold no rotated pair."""
-    x1 = x1.to(tl.float32) + b1
-    x2 = x2.to(tl.float32) + b2
+    ROTATE=False skips the rotation for blocks that hold no rotated pair. LAND: x's and the
+    bias's tiles, as loaded, landed first (`landed`; cos and sin are the caller's, which
+    usually rotates more than one tile with them)."""
+    x1 = landed(x1, LAND) + landed(b1, LAND)
+    x2 = landed(x2, LAND) + landed(b2, LAND)
     if ROTATE:
         return cos * x1 - sin * x2, sin * x1 + cos * x2
     return x1, x2

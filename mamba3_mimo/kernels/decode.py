@@ -86,15 +86,16 @@ def decode_step_kernel(q, k, v, z, adt, dt, trap, q_bias, k_bias, mimo_v, mimo_z
             kb1, kb2 = load_pair_columns(k_bias, (h * R + r) * N, rm, j0, BJ, HALF, 1)
         h1, h2 = landed(h1, OPAQUE), landed(h2, OPAQUE)
         kp1, kp2 = landed(kp1, OPAQUE), landed(kp2, OPAQUE)
-        q1, q2 = landed(q1, OPAQUE), landed(q2, OPAQUE)
-        k1, k2 = landed(k1, OPAQUE), landed(k2, OPAQUE)
-        if not PREPARED:
+        if PREPARED:
+            q1, q2 = landed(q1, OPAQUE), landed(q2, OPAQUE)
+            k1, k2 = landed(k1, OPAQUE), landed(k2, OPAQUE)
+        else:
             new = landed(old, OPAQUE) + tanh(landed(x, OPAQUE)) * (TWO_PI / 2) * step_dt
             new = new - TWO_PI * tl.floor(new / TWO_PI)
             cs = tl.where(rot, tl.cos(new), 1.0)[None, :]
             sn = tl.where(rot, tl.sin(new), 0.0)[None, :]
-            q1, q2 = rotate_pairs(q1, q2, landed(qb1, OPAQUE), landed(qb2, OPAQUE), cs, sn, True)
-            k1, k2 = rotate_pairs(k1, k2, landed(kb1, OPAQUE), landed(kb2, OPAQUE), cs, sn, True)
+            q1, q2 = rotate_pairs(q1, q2, qb1, qb2, cs, sn, True, OPAQUE)
+            k1, k2 = rotate_pairs(k1, k2, kb1, kb2, cs, sn, True, OPAQUE)
         # sum_r k[r, j] psiv[r, p]: dots over the rank rows
         h1 = decay * (h1 + shifted * dot(tl.trans(kp1), psiv_prev, PREC)) + gamma * dot(
             tl.trans(k1), psiv, PREC)

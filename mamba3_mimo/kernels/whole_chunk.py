@@ -55,9 +55,11 @@ def chunk_term_loads(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.
 
 
 @triton.jit
-def chunk_weights(gamma, trap_scale, seg, C, TP: tl.constexpr):
-    """The causal weights per pair of steps from chunk_term_loads': E = exp(segsum) before the
-    diagonal (else 0) and W = E trap_scale[t'] + gamma on the diagonal ([TP, TP])."""
+def chunk_weights(gamma, trap_scale, seg, C, TP: tl.constexpr, LAND: tl.constexpr = False):
+    """The causal weights per pair of steps from chunk_term_loads' (each landed first with
+    LAND, common.landed): E = exp(segsum) before the diagonal (else 0) and
+    W = E trap_scale[t'] + gamma on the diagonal ([TP, TP])."""
+    gamma, trap_scale, seg = landed(gamma, LAND), landed(trap_scale, LAND), landed(seg, LAND)
     ts = tl.arange(0, TP)
     steps = ts < C
     before = (ts[None, :] < ts[:, None]) & steps[:, None] & steps[None, :]
@@ -161,10 +163,8 @@ def qk_pairs(loaded, LAND: tl.constexpr, AFTER: tl.constexpr):
         return (opaque(cs, LAND), opaque(sn, LAND), opaque(q1, LAND), opaque(q2, LAND),
                 opaque(k1, LAND), opaque(k2, LAND))
     cs, sn = landed(cs, LAND), landed(sn, LAND)
-    q1, q2 = rotate_pairs(landed(x1, LAND), landed(x2, LAND), landed(xb1, LAND),
-                          landed(xb2, LAND), cs, sn, True)
-    k1, k2 = rotate_pairs(landed(y1, LAND), landed(y2, LAND), landed(yb1, LAND),
-                          landed(yb2, LAND), cs, sn, True)
+    q1, q2 = rotate_pairs(x1, x2, xb1, xb2, cs, sn, True, LAND)
+    k1, k2 = rotate_pairs(y1, y2, yb1, yb2, cs, sn, True, LAND)
     return cs, sn, q1, q2, k1, k2
 
 
