@@ -438,7 +438,10 @@ STATE_OPTIONS = dict(num_warps=8, num_stages=1)
 # offline (sm_89): there the 16 x 32 blocks at 4 warps. With dy recomputed where it is read
 # (`gated`), chunk_grads_v over 32-column P blocks: offline (sm_90, 2026-12-04) 240-584 bytes of
 # stack per thread on the official shapes, against 1,000-1,424 at 64 columns (and 672-1,056
-# reading the dy buffer at 64); not yet timed.
+# reading the dy buffer at 64); not yet timed. Below N = 64 chunk_grads_qk's 16 x 32 blocks at
+# 8 warps rather than 4 (2026-12-05, dde08bc): 0.730 -> 0.521 ms at N16_P64_R4_C8 (offline 1,008
+# -> 40 bytes of stack per thread; at N32_P64_R4_C16 736 -> 8, not timed there); chunk_grads_v at
+# 8 warps took 1.58x, 1.51x and 1.01x as long at N16, N128_P64_R4_C16 and N128_P64_R1_C64.
 def config(N: int, P: int, measured: bool = True, gated: bool = False) -> GradsConfig:
     """The blocks of phase 2's kernels for state size N and head dimension P, on a GPU whose
     configs were measured (configs.measured_arch) or not, with dy read from its buffer or
@@ -448,7 +451,7 @@ def config(N: int, P: int, measured: bool = True, gated: bool = False) -> GradsC
     if N >= 64 and measured:
         return GradsConfig(BJ=32, BP=64, QK_WARPS=8, V_BJ=32 if N >= 128 else 16, V_BP=v_bp,
                            STATE_BP=state_bp)
-    return GradsConfig(V_BP=v_bp, STATE_BP=state_bp)
+    return GradsConfig(V_BP=v_bp, STATE_BP=state_bp, QK_WARPS=8 if measured else 4)
 
 
 def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev,
