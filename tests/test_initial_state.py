@@ -190,30 +190,58 @@ def test_bad_initial_state(bad, match):
         mamba3_mimo(**a, initial_state=bad(i))
 
 
-@requires_gpu
-def test_split_full_size_on_the_gpu():
-    """N128_P64_R4_C16 (H = 16), B = 2, S = 2048, bf16, split at step 1000 (inside a chunk):
-    the two calls' outputs and final state within the bf16 threshold of the float64 reference
-    of the whole sequence."""
-    from mamba3_mimo.inputs import operator_inputs
-    from mamba3_mimo.problem import Shape
-    args = operator_inputs(Shape(2, 2048, 16, 1, 128, 64, 4, 16), F64, seed=131)
-    bf = {k: (v.to(DEVICE, torch.bfloat16 if k in ("Q", "K", "V", "Z", "Trap")
-                   else torch.float32) if isinstance(v, torch.Tensor) else v)
-          for k, v in args.items()}
-    bf["dtype"] = torch.bfloat16
-    ref = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in bf.items()}
-    ref["dtype"] = F64
-    want = mamba3_mimo_reference(**ref, return_state=True)
-    first = mamba3_mimo(**_slice(bf, 0, 1000), return_state=True)
-    second = mamba3_mimo(**_slice(bf, 1000, 2048), return_state=True,
+def _split_training_against_whole(args, split, dtype, seed):
+    """A sequence trained across two calls in `dtype` (Q, K, V, Z, Trap and the initial v in
+    dtype, the rest fp32): from a given initial state, the first call's final state handed to
+    the second as its initial state, a seeded random linear loss on the joined output and the
+    second call's final state. Its outputs and the gradients of every input and of the four
+    initial-state tensors within dtype's threshold of the float64 reference over the whole
+    sequence on the same (rounded) values, run on the same device."""
+    init = state_for(args, seed=seed)
+    low = ("Q", "K", "V", "Z", "Trap")
+    a = {k: _leaf(v, DEVICE, dtype if k in low else torch.float32) for k, v in args.items()}
+    a["dtype"] = dtype
+    i = tuple(_leaf(x, DEVICE, dtype if n == "v" else torch.float32)
+              for n, x in zip(STATE_NAMES, init))
+    ra = {k: _leaf(v, DEVICE, F64) for k, v in a.items()}
+    ra["dtype"] = F64
+    ri = tuple(_leaf(x, DEVICE, F64) for x in i)
+    S = args["Q"].shape[1]
+    first = mamba3_mimo(**_slice(a, 0, split), return_state=True, initial_state=i)
+    second = mamba3_mimo(**_slice(a, split, S), return_state=True,
                          initial_state=tuple(first[1:]))
     got = (torch.cat([first[0], second[0]], 1),) + tuple(second[1:])
-    errors = {n: rel_rms(g, w) for n, g, w in zip(OUT_NAMES, got, want)}
-    print("\nsplit " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
-    bad = {n: f"{e:.2e}" for n, e in errors.items()
-           if not e <= THRESHOLDS[torch.bfloat16]}
+    want = mamba3_mimo_reference(**ra, return_state=True, initial_state=ri)
+    # the loss's weights rounded to each output's dtype: the cotangents the operator is handed
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = [torch.randn(o.shape, generator=gen, dtype=F64).to(o.dtype).to(F64) for o in got]
+    for outs in (got, want):
+        sum((o.double() * w.to(o.device)).sum() for o, w in zip(outs, weights)).backward()
+    errors = {n: rel_rms(g.detach().cpu(), w.detach().cpu())
+              for n, g, w in zip(OUT_NAMES, got, want)}
+    got_grads, want_grads = _grads(a, i), _grads(ra, ri)
+    assert set(got_grads) == set(want_grads)
+    errors.update({f"d{n}": rel_rms(g.cpu(), want_grads[n].cpu()) for n, g in got_grads.items()})
+    print("\nsplit training " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= THRESHOLDS[dtype]}
     assert not bad, bad
+
+
+def test_split_training_in_bf16():
+    """_split_training_against_whole on a small odd shape (GQA, R = 3, split inside a chunk)
+    through the production kernels."""
+    _split_training_against_whole(make_args(B=2, S=21, H=4, G=2, R=3, N=12, P=10, chunk_size=4,
+                                            seed=133), 10, torch.bfloat16, seed=134)
+
+
+@requires_gpu
+def test_split_full_size_on_the_gpu():
+    """_split_training_against_whole at N128_P64_R4_C16 (H = 16), B = 2, S = 2048, bf16, split
+    at step 1000 (inside a chunk)."""
+    from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo.problem import Shape
+    _split_training_against_whole(operator_inputs(Shape(2, 2048, 16, 1, 128, 64, 4, 16), F64,
+                                                  seed=131), 1000, torch.bfloat16, seed=132)
 
 
 @pytest.mark.parametrize("scan", [True, False], ids=["fused_scan", "split_pass"])
