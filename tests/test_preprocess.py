@@ -29,29 +29,33 @@ def _inputs(device=DEVICE, B=2, S=37, H=3, RD=5, expand=False, seed=0):
     return raw.to(device), dt.to(device), adt.to(device)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 7])
 @pytest.mark.parametrize("expand", [False, True], ids=["dense", "expanded"])
 @pytest.mark.parametrize("block_steps", [8, 64])
-def test_angle_sum(expand, block_steps):
-    """angles against float64; the bound: S additions and one mod per block, each rounding
-    by at most half an ulp of 2*pi in fp32, and tanh's ulp of 1 times pi * DT per step."""
+def test_angle_sum(expand, block_steps, parts):
+    """angles against float64, the walk in 1, 2 and 7 parts (7 > the 5 blocks of 8 steps: some
+    parts empty); the bound: S additions and two mods per block, each rounding by at most half
+    an ulp of 2*pi in fp32, and tanh's ulp of 1 times pi * DT per step."""
     raw, dt, _ = _inputs(expand=expand)
-    out = preprocess.angle_sum(raw, dt, block_steps=block_steps)
+    out = preprocess.angle_sum(raw, dt, block_steps=block_steps, parts=parts)
     ref = reference._running_angles(raw.cpu().double(), dt.cpu().double(), None, torch.float64)
     S = raw.shape[1]
-    bound = (S + math.ceil(S / block_steps)) * 2 * math.pi * 2.0 ** -24 \
+    bound = (S + 2 * math.ceil(S / block_steps)) * 2 * math.pi * 2.0 ** -24 \
         + S * math.pi * dt.abs().max().item() * 2.0 ** -23
     err = _wrapped(out.cpu().double() - ref).abs().max().item()
     assert err <= bound, f"angles off by {err:.3g} rad (bound {bound:.3g})"
     assert out.min() >= 0 and out.max() < 2 * math.pi
 
 
+@pytest.mark.parametrize("parts", [1, 2, 7])
 @pytest.mark.parametrize("expand", [False, True], ids=["dense", "expanded"])
-def test_angle_sum_backward(expand):
+def test_angle_sum_backward(expand, parts):
     """d Angles and the angles' share of d DT against float64 autograd of the reference's angles
-    (the fp32 threshold)."""
+    (the fp32 threshold), the walk in 1, 2 and 7 parts."""
     raw, dt, _ = _inputs(expand=expand, seed=1)
     g = torch.randn(raw.shape, generator=torch.Generator().manual_seed(2))
-    d_raw, d_dt, d_angle0 = preprocess.angle_sum_backward(g.to(DEVICE), raw, dt, block_steps=8)
+    d_raw, d_dt, d_angle0 = preprocess.angle_sum_backward(g.to(DEVICE), raw, dt, block_steps=8,
+                                                          parts=parts)
     raw64 = raw.cpu().double().clone().requires_grad_(True)
     dt64 = dt.cpu().double().clone().requires_grad_(True)
     angle0 = torch.zeros(raw.shape[0], raw.shape[2], raw.shape[3], dtype=torch.float64,

@@ -32,26 +32,36 @@ MAX_CHUNK = 128
 # per thread (ptxas, sm_90).
 BLOCK_STEPS = 128
 BLOCK_ELEMENTS = 4096
+# Each row's walk in PARTS parts of near-equal whole blocks, side by side: one (b, h) per
+# program was 16-64 programs on the official grid, each a chain of 16 dependent blocks (41-46 us
+# per launch, H200 2026-12-05). A fixed count, not one from the rows, so that a sequence's
+# angles do not depend on what it is batched or packed with (bit for bit); each part re-reads
+# the inputs of the parts before it, at most (PARTS - 1) / 2 more reads of them in all.
+PARTS = 8
 
 
 @triton.jit
 def _angle_block(raw_at, dt_at, g_at, trap_at, d_gamma_at, d_ts_at, raw_off, out_off, i, rm,
-                 blk, n_blocks, n_steps, first, BS: tl.constexpr, sas, sds, sos,
-                 REVERSE: tl.constexpr, TRAP: tl.constexpr):
-    """The inputs of the walk's block blk (all masked once blk reaches n_blocks): the raw angles
-    [BS, BR], dt [BS] and, REVERSE, the angles' gradient [BS, BR] (else 0); with TRAP, the
-    block's d_gamma + d_trap_scale, d_trap_scale of the step before (0 before the row's first
-    step, `first` steps into the row) and Trap, each [BS] (else 0). The walk goes from the first
-    block forward, or from the last backward (REVERSE)."""
+                 blk, end, n_steps, first, BS: tl.constexpr, sas, sds, sos,
+                 REVERSE: tl.constexpr, TRAP: tl.constexpr, n_blocks,
+                 SUMS: tl.constexpr = False):
+    """The inputs of the walk's block blk of n_blocks (all masked once blk reaches end): the raw
+    angles [BS, BR], dt [BS] and, REVERSE, the angles' gradient [BS, BR] (else 0); with TRAP,
+    the block's d_gamma + d_trap_scale, d_trap_scale of the step before (0 before the row's
+    first step, `first` steps into the row) and Trap, each [BS] (else 0). The walk goes from the
+    first block forward, or from the last backward (REVERSE). SUMS: only what the sum of the
+    parts before a part reads (in REVERSE the gradient alone; the rest 0)."""
     if REVERSE:
         s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
     else:
         s0 = tl.cast(blk, tl.int64) * BS
-    sm = (i < n_steps - s0) & (blk < n_blocks)
+    sm = (i < n_steps - s0) & (blk < end)
     m = sm[:, None] & rm[None, :]
-    x = tl.load(raw_at + s0 * sas + raw_off, mask=m, other=0.0)
     step = s0 * sds + i * sds
-    d = tl.load(dt_at + step, mask=sm, other=0.0)
+    x, d = 0.0, 0.0
+    if not (REVERSE and SUMS):
+        x = tl.load(raw_at + s0 * sas + raw_off, mask=m, other=0.0)
+        d = tl.load(dt_at + step, mask=sm, other=0.0)
     g = 0.0
     if REVERSE:
         g = tl.load(g_at + s0 * sos + out_off, mask=m, other=0.0)
@@ -66,13 +76,17 @@ def _angle_block(raw_at, dt_at, g_at, trap_at, d_gamma_at, d_ts_at, raw_off, out
 
 @triton.jit(do_not_specialize=["S", "sab", "sdb", "sdh", "sob"])
 def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_dt, d_angle0,
-                     bounds, trap, d_gamma, d_trap_scale, d_trap, S, H, RD, sab, sas, sah, sar,
-                     sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr, BR: tl.constexpr,
+                     bounds, trap, d_gamma, d_trap_scale, d_trap, S, H, RD, parts, sab, sas, sah,
+                     sar, sdb, sdh, sds, sob, sos, soh, BS: tl.constexpr, BR: tl.constexpr,
                      TWO_PI: tl.constexpr, REVERSE: tl.constexpr, HAS_INIT: tl.constexpr,
                      VARLEN: tl.constexpr, TRAP: tl.constexpr):
-    """One (b, h) per program, the steps in blocks of BS, the RD angles in one BR block; VARLEN
-    (packed sequences, B = 1): one (sequence j, h) per program over the steps bounds[j] ..
-    bounds[j + 1] - 1 (bounds int32 [n_seq + 1]), so that every sequence starts afresh.
+    """One (b, h) and one of `parts` parts of its walk per program (grid rows * H * parts, the
+    parts fastest), the steps in blocks of BS, the RD angles in one BR block; VARLEN (packed
+    sequences, B = 1): one (sequence j, h) per program over the steps bounds[j] ..
+    bounds[j + 1] - 1 (bounds int32 [n_seq + 1]), so that every sequence starts afresh. A part
+    walks cdiv(blocks, parts) blocks from where the parts before it end, starting from their
+    sum, which it adds up first from their inputs (a reduction per block, no running sum and no
+    stores), so that the walk's chain is a part long rather than the whole row.
 
     Forward: angles[b, t, h, :] = (angle0[b, h, :] + sum_{u<=t} tanh(angles_raw[b, u, h, :]) pi
     dt[b, h, u]) mod 2*pi, angle0 [B or n_seq, H, RD] contiguous with HAS_INIT, else 0.
@@ -85,7 +99,8 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     d_angles_raw share strides (sab, sas, sah, sar); angles and d_angles too (sob, ...); dt,
     d_dt, trap, d_gamma, d_trap_scale and d_trap too (sdb, sdh, sds)."""
     pid = tl.program_id(0)
-    seq, h = pid // H, (pid % H).to(tl.int64)  # seq: the batch entry, or the sequence
+    part, row = pid % parts, pid // parts
+    seq, h = row // H, (row % H).to(tl.int64)  # seq: the batch entry, or the sequence
     if VARLEN:
         lo = tl.load(bounds + seq)
         n_steps = tl.load(bounds + seq + 1) - lo
@@ -112,13 +127,34 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     else:
         carry = tl.zeros([BR], dtype=tl.float32)
     n_blocks = tl.cdiv(n_steps, BS)
+    # the part's blocks, counted in walk order (from the last block in REVERSE)
+    per_part = tl.cdiv(n_blocks, parts)
+    lo = part * per_part
+    hi = tl.minimum(lo + per_part, n_blocks)
+    # the parts before this one: their sum, block by block (mod 2*pi forward), loading a block
+    # while the one before it is added
+    x, d, g_out, _, _, _ = _angle_block(
+        angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
+        d_trap_scale + dt_at, raw_off, out_off, i, rm, 0, lo, n_steps, first, BS, sas, sds, sos,
+        REVERSE, False, n_blocks, True)
+    for blk in range(lo):
+        x_next, d_next, g_next, _, _, _ = _angle_block(
+            angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
+            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, lo, n_steps, first, BS, sas,
+            sds, sos, REVERSE, False, n_blocks, True)
+        if REVERSE:
+            carry = carry + tl.sum(g_out, axis=0)
+        else:
+            carry = carry + tl.sum(tanh(x) * pi * d[:, None], axis=0)
+            carry = carry - TWO_PI * tl.floor(carry / TWO_PI)
+        x, d, g_out = x_next, d_next, g_next
     # Software-pipelined: a block's inputs are loaded while the block before it is summed, so
     # that the walk waits for memory about once rather than once per block.
     x, d, g_out, d_g, d_shift, tr = _angle_block(
         angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
-        d_trap_scale + dt_at, raw_off, out_off, i, rm, 0, n_blocks, n_steps, first, BS, sas,
-        sds, sos, REVERSE, TRAP)
-    for blk in range(n_blocks):
+        d_trap_scale + dt_at, raw_off, out_off, i, rm, lo, hi, n_steps, first, BS, sas,
+        sds, sos, REVERSE, TRAP, n_blocks)
+    for blk in range(lo, hi):
         if REVERSE:
             s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
         else:
@@ -127,8 +163,8 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
         m = sm[:, None] & rm[None, :]
         x_next, d_next, g_next, d_g_next, d_shift_next, tr_next = _angle_block(
             angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
-            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, n_blocks, n_steps, first,
-            BS, sas, sds, sos, REVERSE, TRAP)
+            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, hi, n_steps, first,
+            BS, sas, sds, sos, REVERSE, TRAP, n_blocks)
         th = tanh(x)
         if REVERSE:
             # g[u] = carry + sum_{t>=u in the block} g_out[t]: the block's total minus the
@@ -153,7 +189,8 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
             carry = tl.sum(tl.where((i == BS - 1)[:, None], total, 0.0), axis=0)
         x, d, g_out, d_g, d_shift, tr = x_next, d_next, g_next, d_g_next, d_shift_next, tr_next
     if REVERSE:
-        tl.store(d_angle0 + init_at, carry, mask=rm)
+        # the part whose walk ends at the row's first step
+        tl.store(d_angle0 + init_at, carry, mask=rm & (lo < n_blocks) & (hi == n_blocks))
 
 
 @triton.jit(do_not_specialize=["S", "n_bh", "nc", "sab", "sah"])
@@ -188,14 +225,14 @@ def _check_steps(name: str, x: torch.Tensor, shape: tuple) -> None:
 
 
 def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch.Tensor] = None,
-              bounds: Optional[torch.Tensor] = None,
-              block_steps: Optional[int] = None) -> torch.Tensor:
+              bounds: Optional[torch.Tensor] = None, block_steps: Optional[int] = None,
+              parts: Optional[int] = None) -> torch.Tensor:
     """The rotation angles [B, S, H, RD] fp32 (contiguous) from Angles [B, S, H, RD] and DT
     [B, H, S], both fp32 of any strides, and the angle before the first step, angle0
     [B, H, RD] fp32 or None for zero: (angle0 + sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi.
     bounds (packed sequences, B = 1): int32 [n_seq + 1], sequence j covering steps bounds[j] ..
     bounds[j + 1] - 1 (bounds[n_seq] = S), each summed from its own angle0[j] ([n_seq, H, RD])
-    or 0."""
+    or 0. parts: the parts of each row's walk (PARTS by default)."""
     B, S, H, RD = angles_raw.shape
     _check_steps("angles_raw", angles_raw, (B, S, H, RD))
     _check_steps("dt", dt, (B, H, S))
@@ -205,22 +242,23 @@ def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch
     out = torch.empty(B, S, H, RD, device=angles_raw.device, dtype=torch.float32)
     with on_device(angles_raw.device):
         angle_sum_launch(angles_raw=angles_raw, dt=dt, angles=out, angle0=angle0, bounds=bounds,
-                         block_steps=block_steps).run()
+                         block_steps=block_steps, parts=parts).run()
     return out
 
 
 def angle_sum_launch(*, angles_raw: torch.Tensor, dt: torch.Tensor, angles: torch.Tensor,
                      angle0: Optional[torch.Tensor] = None, bounds: Optional[torch.Tensor] = None,
-                     block_steps: Optional[int] = None) -> Launch:
+                     block_steps: Optional[int] = None, parts: Optional[int] = None) -> Launch:
     """angle_sum's launch, unchecked: into angles [B, S, H, RD] fp32 of any strides but a
     contiguous RD; dt may hold more than S steps (those past S are not read); angle0
     contiguous."""
     return _angle_launch(angles_raw, dt, angles, angles, angles_raw, dt, angles, block_steps,
-                         False, angle0, bounds, False, dict.fromkeys(_TRAP_ARGS, dt))
+                         False, angle0, bounds, False, dict.fromkeys(_TRAP_ARGS, dt), parts)
 
 
 def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: torch.Tensor,
-                       bounds: Optional[torch.Tensor] = None, block_steps: Optional[int] = None):
+                       bounds: Optional[torch.Tensor] = None, block_steps: Optional[int] = None,
+                       parts: Optional[int] = None):
     """(d Angles [B, S, H, RD], the angles' share of d DT [B, H, S], d angle0 [B or n_seq, H,
     RD]), all fp32, from the gradient d_angles [B, S, H, RD] of angle_sum's output and its
     inputs (bounds as angle_sum's)."""
@@ -234,7 +272,8 @@ def angle_sum_backward(d_angles: torch.Tensor, angles_raw: torch.Tensor, dt: tor
     with on_device(angles_raw.device):
         angle_sum_backward_launch(d_angles=d_angles.contiguous(),
                                   angles_raw=angles_raw.contiguous(), dt=dt.contiguous(),
-                                  bounds=bounds, block_steps=block_steps, **out).run()
+                                  bounds=bounds, block_steps=block_steps, parts=parts,
+                                  **out).run()
     return out["d_raw"], out["d_dt"], out["d_angle0"]
 
 
@@ -245,7 +284,8 @@ def angle_sum_backward_launch(*, d_angles: torch.Tensor, angles_raw: torch.Tenso
                               d_gamma: Optional[torch.Tensor] = None,
                               d_trap_scale: Optional[torch.Tensor] = None,
                               d_trap: Optional[torch.Tensor] = None,
-                              block_steps: Optional[int] = None) -> Launch:
+                              block_steps: Optional[int] = None,
+                              parts: Optional[int] = None) -> Launch:
     """angle_sum_backward's launch, unchecked: angles_raw and d_raw [B, S, H, RD] with one set of
     strides, d_angles with a second one, dt and d_dt [B, H, S] with a third. With trap (given
     with d_gamma, d_trap_scale and d_trap, all [B, H, S] with dt's strides, trap fp32 or 16-bit,
@@ -256,7 +296,7 @@ def angle_sum_backward_launch(*, d_angles: torch.Tensor, angles_raw: torch.Tenso
     if trap is None:
         fused = dict.fromkeys(_TRAP_ARGS, dt)  # unread stand-ins
     return _angle_launch(angles_raw, dt, d_angles, d_angles, d_raw, d_dt, d_angle0, block_steps,
-                         True, None, bounds, trap is not None, fused)
+                         True, None, bounds, trap is not None, fused, parts)
 
 
 def _rows(B: int, bounds: Optional[torch.Tensor]) -> int:
@@ -273,17 +313,20 @@ _TRAP_ARGS = ("trap", "d_gamma", "d_trap_scale", "d_trap")
 
 def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0,
                   block_steps: Optional[int], reverse: bool, angle0: Optional[torch.Tensor],
-                  bounds: Optional[torch.Tensor], fuse_trap: bool, trap_args: dict) -> Launch:
+                  bounds: Optional[torch.Tensor], fuse_trap: bool, trap_args: dict,
+                  parts: Optional[int] = None) -> Launch:
     B, S, H, RD = angles_raw.shape
     BR = next_pow2(RD)
     if block_steps is None:
         block_steps = max(16, min(BLOCK_STEPS, BLOCK_ELEMENTS // BR))
+    rows = _rows(B, bounds) * H
+    parts = PARTS if parts is None else parts
     ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
     assert ao[3] == 1, "the angles' output is contiguous in RD"
-    return Launch(angle_sum_kernel, (_rows(B, bounds) * H,), dict(
+    return Launch(angle_sum_kernel, (rows * parts,), dict(
         angles_raw=angles_raw, dt=dt, angle0=angles if angle0 is None else angle0,
         angles=angles, d_angles=d_angles, d_angles_raw=d_raw, d_dt=d_dt, d_angle0=d_angle0,
-        bounds=angles if bounds is None else bounds, S=S, H=H, RD=RD, sab=ar[0],
+        bounds=angles if bounds is None else bounds, S=S, H=H, RD=RD, parts=parts, sab=ar[0],
         sas=ar[1], sah=ar[2], sar=ar[3], sdb=ds[0], sdh=ds[1], sds=ds[2], sob=ao[0],
         sos=ao[1], soh=ao[2], BS=block_steps, BR=BR, TWO_PI=TWO_PI,
         REVERSE=reverse, HAS_INIT=angle0 is not None, VARLEN=bounds is not None,
