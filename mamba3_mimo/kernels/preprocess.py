@@ -129,18 +129,18 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     n_blocks = tl.cdiv(n_steps, BS)
     # the part's blocks, counted in walk order (from the last block in REVERSE)
     per_part = tl.cdiv(n_blocks, parts)
-    lo = part * per_part
-    hi = tl.minimum(lo + per_part, n_blocks)
+    start = part * per_part
+    stop = tl.minimum(start + per_part, n_blocks)
     # the parts before this one: their sum, block by block (mod 2*pi forward), loading a block
     # while the one before it is added
     x, d, g_out, _, _, _ = _angle_block(
         angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
-        d_trap_scale + dt_at, raw_off, out_off, i, rm, 0, lo, n_steps, first, BS, sas, sds, sos,
+        d_trap_scale + dt_at, raw_off, out_off, i, rm, 0, start, n_steps, first, BS, sas, sds, sos,
         REVERSE, False, n_blocks, True)
-    for blk in range(lo):
+    for blk in range(start):
         x_next, d_next, g_next, _, _, _ = _angle_block(
             angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
-            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, lo, n_steps, first, BS, sas,
+            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, start, n_steps, first, BS, sas,
             sds, sos, REVERSE, False, n_blocks, True)
         if REVERSE:
             carry = carry + tl.sum(g_out, axis=0)
@@ -152,9 +152,9 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     # that the walk waits for memory about once rather than once per block.
     x, d, g_out, d_g, d_shift, tr = _angle_block(
         angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
-        d_trap_scale + dt_at, raw_off, out_off, i, rm, lo, hi, n_steps, first, BS, sas,
+        d_trap_scale + dt_at, raw_off, out_off, i, rm, start, stop, n_steps, first, BS, sas,
         sds, sos, REVERSE, TRAP, n_blocks)
-    for blk in range(lo, hi):
+    for blk in range(start, stop):
         if REVERSE:
             s0 = tl.cast(n_blocks - 1 - blk, tl.int64) * BS
         else:
@@ -163,7 +163,7 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
         m = sm[:, None] & rm[None, :]
         x_next, d_next, g_next, d_g_next, d_shift_next, tr_next = _angle_block(
             angles_raw + raw_at, dt + dt_at, d_angles + out_at, trap + dt_at, d_gamma + dt_at,
-            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, hi, n_steps, first,
+            d_trap_scale + dt_at, raw_off, out_off, i, rm, blk + 1, stop, n_steps, first,
             BS, sas, sds, sos, REVERSE, TRAP, n_blocks)
         th = tanh(x)
         if REVERSE:
@@ -190,7 +190,7 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
         x, d, g_out, d_g, d_shift, tr = x_next, d_next, g_next, d_g_next, d_shift_next, tr_next
     if REVERSE:
         # the part whose walk ends at the row's first step
-        tl.store(d_angle0 + init_at, carry, mask=rm & (lo < n_blocks) & (hi == n_blocks))
+        tl.store(d_angle0 + init_at, carry, mask=rm & (start < n_blocks) & (stop == n_blocks))
 
 
 @triton.jit(do_not_specialize=["S", "n_bh", "nc", "sab", "sah"])
