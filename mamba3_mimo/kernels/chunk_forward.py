@@ -16,8 +16,8 @@ import triton.language as tl
 from ..runtime.launcher import Launch
 from . import next_pow2
 from .common import chunk_rows, landed, mac, psi_v_rows
-from .whole_chunk import (chunk_pointers, chunk_term_loads, chunk_weights, qk_pair_loads,
-                          qk_pairs, rows_of_steps, state_block, v_block)
+from .whole_chunk import (chunk_masks, chunk_pointers, chunk_term_loads, chunk_weights,
+                          qk_pair_loads, qk_pairs, rows_of_steps, state_block, v_block)
 
 
 @triton.jit
@@ -128,9 +128,7 @@ def chunk_forward_kernel(q, k, v, z, q_bias, k_bias, mimo_v, mimo_o, mimo_z, d, 
         q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb, sqs, sqr,
         sqg, skb, sks, skr, skg, svb, svs, svh)
     s0 = c * C
-    rows = (t < C) & (r < R)
-    ts = tl.arange(0, TP)
-    steps = ts < C
+    rows, ts, steps = chunk_masks(t, r, R, C, TP)
     st_at = states + (bh * nc + c) * N * P
     # [B, S_pad, H, P] per step and [B, S_pad, R, H, P] per row: the chunk's first element
     s_at, s_row = ((b * S_pad + s0) * H + h) * P, ts * H * P

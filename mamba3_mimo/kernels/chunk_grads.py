@@ -36,8 +36,8 @@ from . import cdiv, chunk_state, input_align, next_pow2
 from .common import (chain, chunk_rows, landed, load_cos_sin, load_pair_columns, mac,
                      psi_v_rows, rotate_pairs)
 from .step_terms import Q_DECAY
-from .whole_chunk import (chunk_pointers, chunk_scores, chunk_term_loads, chunk_weights,
-                          dy_loads, dy_of, qk_pair_loads, qk_pairs, rotation_inputs,
+from .whole_chunk import (chunk_masks, chunk_pointers, chunk_scores, chunk_term_loads,
+                          chunk_weights, dy_loads, dy_of, qk_pair_loads, qk_pairs, rotation_inputs,
                           prefetch_state_block, rows_of_steps, state_block, step_sums,
                           steps_of_rows, v_block)
 
@@ -147,9 +147,7 @@ def _head_chunk(q, k, v, mimo_v, cos, sin, dy_in, t, r, b, h, c, S_pad, H, HG, R
     row, q_at, qrow, k_at, krow, cos_at, sin_at, cs_off, bias_off, v_at, mv_at = chunk_pointers(
         q, k, v, mimo_v, cos, sin, t, r, b, h, c, S_pad, H, HG, R, C, N, P, RD, sqb * BA, sqs,
         sqr, sqg, skb * BA, sks, skr, skg, svb * BA, svs, svh)
-    rows = (t < C) & (r < R)
-    ts = tl.arange(0, TP)
-    steps = ts < C
+    rows, ts, steps = chunk_masks(t, r, R, C, TP)
     dy, dout, z, mimo_o, mimo_z = dy_in
     v_off = b * (svb * BA) + h * svh + c * C * svs  # v_at's, in dout and z
     y_src = (dy + ((b * S_pad + c * C) * R * H + h) * P, dout + v_off, z + v_off,
@@ -187,7 +185,7 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
     group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
     programs that read the same dy run together); the group's heads in turn, each with its own
     dP = dY PsiV^T over P in blocks of BP columns. Writes dq, dk [B, S_pad, R, G, N], adds each
-    head's share of the bias gradients to part_qb, part_kb [B, nc, H, R, N] (common.store_or_add),
+    head's share of the bias gradients to part_qb, part_kb [B, nc, H, R, N] (_bias_share),
     writes d_angles [B, S_pad, H, RD]
     on the block's pairs, and for chunk_grads_v_kernel the block's shares of sum_n Qr dQr's
     inter-chunk term per step (part_cs [n_jb, B*H, S_pad]) and of <dstates[c + 1], states[c]>
@@ -307,7 +305,8 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     Sc in one walk over N in blocks of BJ pairs; then per block of BP columns of P, Kr
     dstates[c + 1] in a second walk over N, dP = dY PsiV^T and dPsiV, which gives dv
     [B, S_pad, H, P] and the chunk's shares of dPsi (part_psi [B*H, nc, R, P]) and dD (part_d
-    [B*H, nc], HAS_D), these two added to what is there (common.store_or_add). Then d_gamma, d_trap_scale and d_adt [B, H, S_pad] from Sc dP summed over
+    [B*H, nc], HAS_D), these two added to what is there (loaded with the block's other
+    inputs). Then d_gamma, d_trap_scale and d_adt [B, H, S_pad] from Sc dP summed over
     the ranks and chunk_grads_qk_kernel's shares part_cs, part_carried (summed over its n_jb
     blocks, NJB = next_pow2(n_jb), in a fixed order); all fp32."""
     pid = tl.program_id(0)
@@ -377,7 +376,7 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
         tl.store(dv + v_base + ts[:, None] * H * P + p[None, :],
                  tl.sum(dpv3 * mv[None], axis=1).to(dv.dtype.element_ty),
                  mask=steps[:, None] & pm[None, :])
-        # added to what the groups of batch entries before left there (common.store_or_add)
+        # added to what the groups of batch entries before left there
         tl.store(part_psi + psi_at + p[None, :],
                  psi_before + tl.sum(dpv3 * xv[:, None, :], axis=0), mask=psi_ok)
     if HAS_D:

@@ -36,14 +36,20 @@ def step_sums(x, RP: tl.constexpr):
 
 
 @triton.jit
+def chunk_masks(t, r, R, C, TP: tl.constexpr):
+    """Which of a chunk tile's (step, rank) rows exist, its steps ts = 0..TP-1 and which of
+    them exist."""
+    ts = tl.arange(0, TP)
+    return (t < C) & (r < R), ts, ts < C
+
+
+@triton.jit
 def chunk_term_loads(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.constexpr):
     """The per-step terms of chunk c of (b*h) bh (both 64-bit) for the rows (t, r) of
     chunk_rows, as stored (chunk_weights' input): gamma, trap_scale [TP], K_DECAY, Q_DECAY per
     row and segsum [TP, TP] (zero where a step does not exist and on and above the diagonal)."""
     row = bh * S_pad + c * C  # the chunk's first step in the [B*H, S_pad] planes
-    rows = (t < C) & (r < R)
-    ts = tl.arange(0, TP)
-    steps = ts < C
+    rows, ts, steps = chunk_masks(t, r, R, C, TP)
     gamma = tl.load(terms + GAMMA * plane + row + ts, mask=steps, other=0.0)
     trap_scale = tl.load(terms + TRAP_SCALE * plane + row + ts, mask=steps, other=0.0)
     k_decay = tl.load(terms + K_DECAY * plane + row + t, mask=rows, other=0.0)
