@@ -126,7 +126,8 @@ def _scan_inputs(q_h, cos, sin, terms, dy_bh, gate, da_cs, c, ok, t, r, rows, p,
     live = rows & ok
     x1, x2 = load_pair_columns(q_h + s0 * sqs, t * sqs + r * sqr, live, j0, BJ, HALF, sqn)
     cs, sn = load_cos_sin(cos + (row + s0) * RD, sin + (row + s0) * RD, t * RD, live, j0, BJ, RD)
-    w = tl.load(terms + Q_DECAY * plane + row + s0 + t, mask=live, other=0.0)
+    w = tl.load(terms + Q_DECAY * tl.cast(plane, tl.int64) + row + s0 + t, mask=live,
+                other=0.0)
     dout_h, z_h, mo_h, mz_h = gate
     ts = tl.arange(0, TP)
     y_in = dy_loads((dy_bh + s0 * R * H * P, dout_h + s0 * svs, z_h + s0 * svs, mo_h, mz_h),

@@ -49,6 +49,7 @@ def chunk_term_loads(terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP: tl.
     chunk_rows, as stored (chunk_weights' input): gamma, trap_scale [TP], K_DECAY, Q_DECAY per
     row and segsum [TP, TP] (zero where a step does not exist and on and above the diagonal)."""
     row = bh * S_pad + c * C  # the chunk's first step in the [B*H, S_pad] planes
+    plane = tl.cast(plane, tl.int64)  # six planes of B*H*S_pad steps can pass 2**31
     rows, ts, steps = chunk_masks(t, r, R, C, TP)
     gamma = tl.load(terms + GAMMA * plane + row + ts, mask=steps, other=0.0)
     trap_scale = tl.load(terms + TRAP_SCALE * plane + row + ts, mask=steps, other=0.0)
