@@ -14,8 +14,13 @@ and host_us is the Python side alone (argument checks, the call plan, the launch
 allocations on small CPU tensors), for comparing host code changes on a CPU-only machine; the
 compiled launchers' own cost and CUDA's allocator are not in it.
 
+With `operator` (GPU only) the same three times for the whole operator as a user calls it
+(bench_operator.operator_case: the forward, and forward then backward), once with the
+backward's groups of batch entries as the rules choose them and once in one group
+(configs.backward_group): whether the groups' extra launches make a shape wait for the host.
+
 Usage: [OUT=dir] PYTHONPATH=. python3 scripts/host_overhead.py [shape filter] [n] [z|noz]
-  [auto|split]
+  [auto|split|operator]
 (noz: without the Z gate; split: the split state pass where the rules would pick the fused
 scan, through configs.override.) Writes $OUT/host_overhead.json when OUT is set.
 """
@@ -56,8 +61,22 @@ def on_gpu(shapes, n: int, z_gate: bool, split: bool) -> list:
     return rows
 
 
-def _on_gpu(s: Shape, f, n: int) -> dict:
-    """One shape's row on the GPU."""
+def operator_on_gpu(shapes, n: int, z_gate: bool) -> list:
+    from mamba3_mimo.bench_operator import operator_case
+    rows = []
+    for s in shapes:
+        fwd, fwd_bwd, _ = operator_case(s, z_gate)
+        for group in (None, s.B):
+            with configs.override(backward_group=group):
+                for what, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                    name = f"{s.name} {what} groups {'rules' if group is None else group}"
+                    rows.append(_on_gpu(s, f, n, name))
+    return rows
+
+
+def _on_gpu(s: Shape, f, n: int, name: str = "") -> dict:
+    """One shape's row on the GPU (named `name`, else the shape's)."""
+    name = name or s.name
     from triton.testing import do_bench
     f()
     torch.cuda.synchronize()
@@ -75,9 +94,9 @@ def _on_gpu(s: Shape, f, n: int) -> dict:
     torch.cuda.synchronize()
     gpu_us = start.elapsed_time(end) / n * 1e3
     bench_ms = do_bench(f, rep=100, return_mode="median")
-    print(f"{s.name:18s} host {host_us:7.1f} us  gpu {gpu_us:7.1f} us  "
+    print(f"{name:18s} host {host_us:7.1f} us  gpu {gpu_us:7.1f} us  "
           f"do_bench {bench_ms * 1e3:7.1f} us", flush=True)
-    return dict(shape=s.name, host_us=host_us, gpu_us=gpu_us, bench_ms=bench_ms)
+    return dict(shape=name, host_us=host_us, gpu_us=gpu_us, bench_ms=bench_ms)
 
 
 class _NoOpKernel:
@@ -120,11 +139,17 @@ def main() -> None:
     filt = sys.argv[1] if len(sys.argv) > 1 else ""
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     z_gate = (sys.argv[3] if len(sys.argv) > 3 else "z") == "z"
-    split = len(sys.argv) > 4 and sys.argv[4] == "split"
+    mode = sys.argv[4] if len(sys.argv) > 4 else "auto"
     shapes = [s for s in official_shapes() if filt in s.name]
     if not shapes:
         raise SystemExit(f"no official shape matches {filt!r}")
-    rows = (on_gpu if torch.cuda.is_available() else on_cpu)(shapes, n, z_gate, split)
+    if mode == "operator":
+        if not torch.cuda.is_available():
+            raise SystemExit("host_overhead.py operator: a GPU only")
+        rows = operator_on_gpu(shapes, n, z_gate)
+    else:
+        rows = (on_gpu if torch.cuda.is_available() else on_cpu)(shapes, n, z_gate,
+                                                                    mode == "split")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "host_overhead.json"), "w") as fh:
             json.dump(rows, fh, indent=1)
