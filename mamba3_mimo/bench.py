@@ -420,17 +420,20 @@ def write_results(out_dir: Path, rows: List[dict], gms: dict, text: str,
 
 
 def arg_parser(prog: str, description: str, out: str,
-               upstream: Optional[Path] = None, shapes: bool = True) -> argparse.ArgumentParser:
+               upstream: Optional[Path] = None, shapes: bool = True,
+               do_bench: bool = True) -> argparse.ArgumentParser:
     """The options the benchmarks take: --shapes (where there is a choice of shapes), --rounds,
-    --rep-ms, --out, and --upstream where there are upstream times to compare with."""
+    --rep-ms (where do_bench times), --out, and --upstream where there are upstream times to
+    compare with."""
     p = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     if shapes:
         p.add_argument("--shapes", help="keep shapes whose label contains one of these "
                        "comma-separated substrings (e.g. N128_P64,control)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per case (default 3)")
-    p.add_argument("--rep-ms", type=int, default=100,
-                   help="do_bench's timing window per candidate and round, ms (default 100, "
-                        "Triton's default; 25 fits the whole grid in a few minutes)")
+    if do_bench:
+        p.add_argument("--rep-ms", type=int, default=100,
+                       help="do_bench's timing window per candidate and round, ms (default "
+                            "100, Triton's default; 25 fits the whole grid in a few minutes)")
     p.add_argument("--out", type=Path, default=Path(out),
                    help=f"folder for results.json, results.md, results.png (default {out})")
     if upstream is not None:

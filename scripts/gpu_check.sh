@@ -13,6 +13,10 @@
 # mamba3_mimo.bench_clients into $OUT/clients.log and $OUT/clients/results.*; where fla is not
 # importable it is installed first from the wheels in .whl/ (carried: the GPU box has no network;
 # `pip download -d .whl flash-linear-attention==0.6.0` here, torch excluded).
+# context_parallel: on a machine of several GPUs (the device tool's nvidia-h200-x2 or -x4),
+# tests/test_context_parallel.py and the benchmark's harness test, then python -m
+# mamba3_mimo.bench_context_parallel (one sequence across 1, 2, 4 GPUs) into
+# $OUT/context_parallel.log and $OUT/context_parallel/results.*.
 # validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
 # $OUT/san.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
@@ -25,8 +29,9 @@ set -o pipefail
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$part" in
-  tests|bench|all|sanitize|validate|operator|sequences|clients) ;;
-  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator|sequences|clients]" \
+  tests|bench|all|sanitize|validate|operator|sequences|clients|context_parallel) ;;
+  *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator|sequences|clients" \
+          "|context_parallel]" \
           "[bench options]" >&2
      exit 2 ;;
 esac
@@ -69,6 +74,13 @@ if [ "$part" = clients ]; then
   fi
   tests_then_bench clients "^fla " 600 tests/test_fla_layer.py tests/test_upstream_decode.py \
     -- "$@"
+  exit $?
+fi
+if [ "$part" = context_parallel ]; then
+  # NVLink multicast stays off (the device machines' rule; NCCL would otherwise use it)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  tests_then_bench context_parallel "^(cp|test_)" 1500 tests/test_context_parallel.py \
+    "tests/test_bench.py::test_context_parallel_harness" -- "$@"
   exit $?
 fi
 if [ "$part" = validate ]; then

@@ -253,3 +253,58 @@ def test_clients_benchmark_needs_a_gpu():
         pytest.skip("checks the refusal without a GPU")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bc.main(["--out", "/tmp/unused"])
+
+
+# ---------------------------------------------------------------------------- context parallelism
+
+def test_context_parallel_report(tmp_path):
+    """The context-parallel benchmark's tables: strong scaling's speed-up and efficiency against
+    one GPU on the same total, weak scaling's efficiency against one GPU on a slice's length,
+    the combine step's share; a one-GPU case out of memory shown as such."""
+    from mamba3_mimo import bench_context_parallel as bcp
+    rows = [dict(world=1, total_steps=1024, steps_per_rank=1024, fwd_bwd_ms=10.0,
+                 tokens_per_s=102400.0, peak_mib_per_gpu=2048.0, combine_ms=None),
+            dict(world=1, total_steps=4096, steps_per_rank=4096, fwd_bwd_ms=None,
+                 tokens_per_s=None, peak_mib_per_gpu=None, combine_ms=None,
+                 error="out of memory"),
+            dict(world=2, total_steps=2048, steps_per_rank=1024, fwd_bwd_ms=12.5,
+                 tokens_per_s=163840.0, peak_mib_per_gpu=2048.0, combine_ms=0.25),
+            dict(world=4, total_steps=4096, steps_per_rank=1024, fwd_bwd_ms=16.0,
+                 tokens_per_s=256000.0, peak_mib_per_gpu=1024.0, combine_ms=0.5)]
+    meta = dict(date="2026-12-05", gpu="test", git_commit="abc", torch="x", triton="y")
+    strong, weak = bcp.scaling(rows, (4096,), (1024,))
+    assert [r["world"] for r in strong] == [1, 4] and strong[1]["speedup"] is None
+    assert [r["world"] for r in weak] == [1, 2, 4]
+    assert weak[1]["efficiency"] == pytest.approx(0.8) and weak[2]["combine_share"] == 0.5 / 16
+    text = bcp.report(rows, meta, tmp_path, (1024, 4096), (1024,), 3)
+    assert "| 1,024 | 1 | 1,024 | 10.00 | 102,400 | 1.00 | 1.00 | 2.00 | - | - |  |" in text
+    assert "| 4,096 | 1 | 4,096 | - | - | - | - | - | - | - | out of memory |" in text
+    assert "| 4,096 | 4 | 1,024 | 16.00 | 256,000 | - | 0.62 | 1.00 | 0.500 | 0.0312 |  |" in text
+    assert json.loads((tmp_path / "results.json").read_text())["results"][2]["world"] == 2
+
+
+def test_context_parallel_harness():
+    """The benchmark's processes, timing and combine step end to end on a tiny shape: gloo ranks
+    through the interpreter on the CPU (one and two ranks), one NCCL rank on a GPU (several
+    ranks need several GPUs). Every row timed, the combine step where there are several
+    ranks, the memory measured on the GPU."""
+    from mamba3_mimo import bench_context_parallel as bcp
+    from mamba3_mimo.problem import Shape
+    on_gpu = DEVICE != "cpu"
+    worlds, backend = ((1,), "nccl") if on_gpu else ((1, 2), "gloo")
+    rows = bcp.run(worlds, (12,), (5,), shape=Shape(1, 0, 2, 1, 8, 4, 2, 4), backend=backend,
+                   device=DEVICE, iterations=1)
+    want = [(1, 5), (1, 12)] + ([] if on_gpu else [(2, 10), (2, 12)])
+    assert [(r["world"], r["total_steps"]) for r in rows] == want
+    for r in rows:
+        assert r["fwd_bwd_ms"] > 0 and r["tokens_per_s"] > 0
+        assert (r["combine_ms"] is not None) == (r["world"] > 1)
+        assert (r["peak_mib_per_gpu"] is not None) == on_gpu
+
+
+def test_context_parallel_benchmark_needs_a_gpu():
+    from mamba3_mimo import bench_context_parallel as bcp
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without a GPU")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bcp.main(["--out", "/tmp/unused"])

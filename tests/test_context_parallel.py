@@ -1,8 +1,9 @@
 """Context parallelism (`mamba3_mimo(..., context_parallel_group=...)`): a sequence split into
 contiguous slices gives the output, final state and every gradient of one call over the whole
 sequence. In one process the slices' summaries are folded as the ranks fold them
-(`entering_state`); across processes, gloo groups of 2, 3 and 4 ranks run the public call, each
-on its slice, through the interpreter on the CPU (or on one GPU, all ranks sharing it)."""
+(`entering_state`); across processes, groups of 2, 3 and 4 ranks run the public call, each on
+its slice: gloo through the interpreter on the CPU, NCCL with one GPU per rank on a machine of
+as many GPUs."""
 import os
 import tempfile
 
@@ -86,10 +87,13 @@ def _bounds(name: str):
 
 
 def _compare(name, out, final, grads):
+    """Against one call on DEVICE (compared on the CPU: the ranks' results may come from other
+    devices)."""
     want_out, want_final, want_grads = _whole(name)
-    errors = {"out": rel_rms(out, want_out)}
-    errors.update({f"final{i}": rel_rms(a, b) for i, (a, b) in enumerate(zip(final, want_final))})
-    errors.update({n: rel_rms(grads[n], want_grads[n]) for n in want_grads})
+    errors = {"out": rel_rms(out.cpu(), want_out.cpu())}
+    errors.update({f"final{i}": rel_rms(a.cpu(), b.cpu())
+                   for i, (a, b) in enumerate(zip(final, want_final))})
+    errors.update({n: rel_rms(grads[n].cpu(), want_grads[n].cpu()) for n in want_grads})
     bad = {n: f"{e:.2e}" for n, e in errors.items() if not e <= LIMIT}
     assert not bad, f"above {LIMIT}: {bad}"
 
@@ -118,37 +122,57 @@ def test_slices_folded_in_one_process(name):
              {n: x.grad for n, x in leaves.items()})
 
 
-def _rank(rank: int, world: int, name: str, folder: str) -> None:
-    """One rank: its slice through the public call, its loss's backward, its output and its
-    gradients saved for the parent."""
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+def _rank(rank: int, world: int, name: str, folder: str, backend: str) -> None:
+    """One rank (gloo: on the CPU; nccl: on GPU `rank`): its slice through the public call, its
+    loss's backward, its output and its gradients saved (on the CPU) for the parent."""
+    device = "cpu" if backend == "gloo" else f"cuda:{rank}"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
                             world_size=world)
     try:
-        leaves, args = _inputs(name, "cpu")
+        leaves, args = _inputs(name, device)
         lo, hi = _bounds(name)[rank]
         out, *final = mamba3_mimo(**_slice(args, lo, hi), return_state=True,
                                   context_parallel_group=dist.group.WORLD)
         _loss(out, final if rank == world - 1 else None, name, (lo, hi)).backward()
-        torch.save(dict(out=out.detach(), final=[x.detach() for x in final],
-                        grads={n: x.grad for n, x in leaves.items()}),
+        cpu = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
+        torch.save(dict(out=cpu(out), final=[cpu(x) for x in final],
+                        grads={n: cpu(x.grad) for n, x in leaves.items()}),
                    os.path.join(folder, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU (the interpreter)")
-@pytest.mark.parametrize("name", list(CASES))
-def test_gloo_ranks(name):
-    """len(cuts) + 1 ranks (3, 4 and 2), one slice each: the slices' outputs, the last rank's
-    final state and the gradients summed over the ranks equal one call's."""
+def _ranks_against_one_call(name: str, backend: str) -> None:
+    """len(cuts) + 1 ranks, one slice each: the slices' outputs, the last rank's final state and
+    the gradients summed over the ranks equal one call's."""
     world = len(_bounds(name))
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank, args=(world, name, folder), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, name, folder, backend), nprocs=world, join=True)
         ranks = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
     # the initial state reaches the first rank's graph only: no gradient on the others
     grads = {n: sum(r["grads"][n] for r in ranks if r["grads"][n] is not None)
              for n in ranks[0]["grads"]}
     _compare(name, torch.cat([r["out"] for r in ranks], 1), ranks[-1]["final"], grads)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo ranks on the CPU (the interpreter)")
+@pytest.mark.parametrize("name", list(CASES))
+def test_gloo_ranks(name):
+    """3, 4 and 2 gloo ranks through the interpreter (_ranks_against_one_call)."""
+    _ranks_against_one_call(name, "gloo")
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="NCCL ranks need GPUs")
+@pytest.mark.parametrize("name", list(CASES))
+def test_nccl_ranks(name):
+    """3, 4 and 2 NCCL ranks, one GPU each (_ranks_against_one_call); skipped where the machine
+    has fewer GPUs than the case has slices."""
+    if torch.cuda.device_count() < len(_bounds(name)):
+        pytest.skip(f"{len(_bounds(name))} ranks need as many GPUs, "
+                    f"{torch.cuda.device_count()} present")
+    _ranks_against_one_call(name, "nccl")
 
 
 def test_errors():

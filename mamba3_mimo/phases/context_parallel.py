@@ -96,11 +96,13 @@ def entering_state(parts: List[Dict[str, Tensor]], MIMO_V: Tensor) -> State:
     return angle, state, k, v
 
 
-def _flatten(part: Dict[str, Tensor]) -> Tensor:
+def flatten(part: Dict[str, Tensor]) -> Tensor:
+    """A summary as the flat fp32 vector a rank contributes (FIELDS' order)."""
     return torch.cat([part[name].reshape(-1) for name in FIELDS])
 
 
-def _unflatten(flat: Tensor, like: Dict[str, Tensor]) -> Dict[str, Tensor]:
+def unflatten(flat: Tensor, like: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """flatten's inverse: views of flat with the shapes of the summary `like`."""
     out, at = {}, 0
     for name in FIELDS:
         n = like[name].numel()
@@ -140,12 +142,12 @@ def context_parallel(call: Callable[..., tuple], args: Dict[str, object], group,
     first = call(args.get("initial_state") if rank == 0 else None)
     part = summary(first[1:], args["ADT"], args["DT"], args["Trap"])
     _check_group(group, part)
-    gathered = _AllGather.apply(_flatten(part), group)
+    gathered = _AllGather.apply(flatten(part), group)
     if rank == 0:
         # its output depends on no other rank: tied to the all-gather, whose backward every
         # rank must join
         result = (_After.apply(first[0], gathered), *first[1:])
     else:
-        parts = [_unflatten(row, part) for row in gathered[:rank]]
+        parts = [unflatten(row, part) for row in gathered[:rank]]
         result = call(entering_state(parts, args["MIMO_V"]))
     return result if return_state else result[0]
