@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from .bench import _fmt, arg_parser, bar_plot, md_table, require_gpu, run_meta, write_results
 from .phases.context_parallel import FIELDS, entering_state, flatten, unflatten
+from .phases.operator import mamba3_mimo
 from .problem import Shape
 
 SHAPE = Shape(1, 0, 16, 1, 128, 64, 4, 16)  # N128_P64_R4_C16, H = 16, one sequence (S per case)
@@ -98,7 +99,6 @@ def step_case(shape: Shape, total: int, rank: int, world: int, device,
     gradients (the largest over the ranks; None off a GPU) and the slowest rank's median time.
     Every rank returns the same row."""
     S = total // world if rank < world - 1 else total - (world - 1) * (total // world)
-    from .phases.operator import mamba3_mimo
     args = slice_inputs(shape, S, device, seed=rank)
     leaves = [x for x in args.values() if isinstance(x, torch.Tensor)]
     dout = torch.randn(args["V"].shape, device=device, dtype=torch.bfloat16)

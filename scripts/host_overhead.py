@@ -14,10 +14,11 @@ and host_us is the Python side alone (argument checks, the call plan, the launch
 allocations on small CPU tensors), for comparing host code changes on a CPU-only machine; the
 compiled launchers' own cost and CUDA's allocator are not in it.
 
-With `operator` (GPU only) the same three times for the whole operator as a user calls it
-(bench_operator.operator_case: the forward, and forward then backward), once with the
-backward's groups of batch entries as the rules choose them and once in one group
-(configs.backward_group): whether the groups' extra launches make a shape wait for the host.
+With `operator` the same for the whole operator as a user calls it (bench_operator.operator_case:
+the forward, and forward then backward), once with the backward's groups of batch entries as
+the rules choose them and once in one group (configs.backward_group): on a GPU the three times,
+whether the groups' extra launches make a shape wait for the host; on a CPU its Python with the
+kernels stubbed, at B = 4 in groups of one entry and in one group.
 
 Usage: [OUT=dir] PYTHONPATH=. python3 scripts/host_overhead.py [shape filter] [n] [z|noz]
   [auto|split|operator]
@@ -107,10 +108,11 @@ class _NoOpKernel:
         return None
 
 
-def on_cpu(shapes, n: int, z_gate: bool, split: bool) -> list:
+def _stub_kernels() -> None:
+    """Compiled kernels replaced by no-ops on a machine without CUDA (on_cpu's docstring)."""
     import types
     from triton.runtime.jit import JITFunction
-    from mamba3_mimo.phases import bwd_fwd
+    from mamba3_mimo.phases import bwd_fwd, operator
     from mamba3_mimo.runtime import launcher
     if interpreter_active():
         raise SystemExit("host_overhead.py on a CPU stubs Triton's compiled kernels: run it "
@@ -120,9 +122,13 @@ def on_cpu(shapes, n: int, z_gate: bool, split: bool) -> list:
     JITFunction.run = lambda self, *a, **k: _NoOpKernel()
     launcher.driver = types.SimpleNamespace(active=types.SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: 0))
-    # CPU tensors without the interpreter: the device check would refuse them (its own cost,
-    # a few comparisons, is left out)
-    bwd_fwd.check_device = lambda device: None
+    # CPU tensors without the interpreter: the device checks would refuse them (their own
+    # cost, a few comparisons, is left out)
+    bwd_fwd.check_device = operator.check_device = lambda device: None
+
+
+def on_cpu(shapes, n: int, z_gate: bool, split: bool) -> list:
+    _stub_kernels()
     rows = []
     for s in shapes:
         small = Shape(1, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)  # the host path ignores B and S
@@ -135,18 +141,41 @@ def on_cpu(shapes, n: int, z_gate: bool, split: bool) -> list:
     return rows
 
 
+def operator_on_cpu(shapes, n: int, z_gate: bool) -> list:
+    """The operator's Python per call with the kernels stubbed, at the official shapes' model
+    dimensions with B = 4 and a short S (the host's path does not depend on S), its backward in
+    groups of one batch entry (as the rules choose on the official grid) and in one group."""
+    from mamba3_mimo.bench_operator import operator_case
+    _stub_kernels()
+    rows = []
+    for s in shapes:
+        small = Shape(4, 2 * s.C, 2, 1, s.N, s.P, s.R, s.C)
+        fwd, fwd_bwd, _ = operator_case(small, z_gate, device="cpu")
+        for group in (1, small.B):
+            with configs.override(backward_group=group):
+                for what, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                    f()
+                    host_us = min(timeit.repeat(f, number=n, repeat=5)) / n * 1e6
+                    name = f"{s.name} {what} groups of {group}"
+                    rows.append(dict(shape=name, host_us=host_us, gpu_us=None, bench_ms=None))
+                    print(f"{name:36s} python {host_us:7.1f} us per call (kernels stubbed)",
+                          flush=True)
+    return rows
+
+
 def main() -> None:
     filt = sys.argv[1] if len(sys.argv) > 1 else ""
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     z_gate = (sys.argv[3] if len(sys.argv) > 3 else "z") == "z"
     mode = sys.argv[4] if len(sys.argv) > 4 else "auto"
+    if mode not in ("auto", "split", "operator"):
+        raise SystemExit(f"the fourth argument is auto, split or operator, not {mode!r}")
     shapes = [s for s in official_shapes() if filt in s.name]
     if not shapes:
         raise SystemExit(f"no official shape matches {filt!r}")
     if mode == "operator":
-        if not torch.cuda.is_available():
-            raise SystemExit("host_overhead.py operator: a GPU only")
-        rows = operator_on_gpu(shapes, n, z_gate)
+        rows = (operator_on_gpu if torch.cuda.is_available() else operator_on_cpu)(shapes, n,
+                                                                                  z_gate)
     else:
         rows = (on_gpu if torch.cuda.is_available() else on_cpu)(shapes, n, z_gate,
                                                                     mode == "split")
