@@ -91,7 +91,8 @@ class Overrides:
     scan's dot form, whether the device counts as one the configs were measured on, the
     shared memory per block assumed of every device, whether the kernels launch as
     programmatic dependent launches (on where the device lacks them, a launch fails: for offline
-    compiles and A/B runs), and the batch entries per group of the operator's backward."""
+    compiles and A/B runs), the batch entries per group of the operator's backward, and the
+    parts of each row's walk in the angles' running sum (preprocess.PARTS)."""
     state: Optional[Tuple[StateConfig, ...]] = None
     output: Optional[Tuple[OutputConfig, ...]] = None
     tile_chunks: Optional[int] = None
@@ -100,6 +101,7 @@ class Overrides:
     smem_limit: Optional[int] = None
     dependent_launches: Optional[bool] = None
     backward_group: Optional[int] = None
+    angle_parts: Optional[int] = None
 
 
 _active = Overrides()

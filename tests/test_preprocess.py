@@ -47,6 +47,22 @@ def test_angle_sum(expand, block_steps, parts):
     assert out.min() >= 0 and out.max() < 2 * math.pi
 
 
+def test_angle_parts_from_the_rules():
+    """The walk's parts are PARTS unless given, or configs.override's angle_parts (which the
+    A/B runs use): one program per (row, part); the running sum equal to the given parts'."""
+    from mamba3_mimo import configs
+    raw, dt, _ = _inputs()
+    angles = torch.empty(raw.shape, device=DEVICE)
+    rows = raw.shape[0] * raw.shape[2]
+    launch = preprocess.angle_sum_launch(angles_raw=raw, dt=dt, angles=angles)
+    assert launch.grid == (rows * preprocess.PARTS,)
+    with configs.override(angle_parts=3):
+        launch = preprocess.angle_sum_launch(angles_raw=raw, dt=dt, angles=angles)
+        assert launch.grid == (rows * 3,)
+        out = preprocess.angle_sum(raw, dt, block_steps=8)
+    assert torch.equal(out, preprocess.angle_sum(raw, dt, block_steps=8, parts=3))
+
+
 @pytest.mark.parametrize("parts", [1, 2, 7])
 @pytest.mark.parametrize("expand", [False, True], ids=["dense", "expanded"])
 def test_angle_sum_backward(expand, parts):

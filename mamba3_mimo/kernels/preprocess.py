@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import configs
 from ..runtime.device import on_device
 from ..runtime.launcher import Launch
 from . import cdiv, next_pow2
@@ -232,7 +233,8 @@ def angle_sum(angles_raw: torch.Tensor, dt: torch.Tensor, angle0: Optional[torch
     [B, H, RD] fp32 or None for zero: (angle0 + sum_{u<=t} tanh(Angles[u]) pi DT[u]) mod 2*pi.
     bounds (packed sequences, B = 1): int32 [n_seq + 1], sequence j covering steps bounds[j] ..
     bounds[j + 1] - 1 (bounds[n_seq] = S), each summed from its own angle0[j] ([n_seq, H, RD])
-    or 0. parts: the parts of each row's walk (PARTS by default)."""
+    or 0. parts: the parts of each row's walk (by default PARTS, or configs.override's
+    angle_parts)."""
     B, S, H, RD = angles_raw.shape
     _check_steps("angles_raw", angles_raw, (B, S, H, RD))
     _check_steps("dt", dt, (B, H, S))
@@ -320,7 +322,8 @@ def _angle_launch(angles_raw, dt, angles, d_angles, d_raw, d_dt, d_angle0,
     if block_steps is None:
         block_steps = max(16, min(BLOCK_STEPS, BLOCK_ELEMENTS // BR))
     rows = _rows(B, bounds) * H
-    parts = PARTS if parts is None else parts
+    if parts is None:
+        parts = configs.active().angle_parts or PARTS
     ar, ds, ao = angles_raw.stride(), dt.stride(), angles.stride()
     assert ao[3] == 1, "the angles' output is contiguous in RD"
     return Launch(angle_sum_kernel, (rows * parts,), dict(
