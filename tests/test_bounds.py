@@ -107,3 +107,23 @@ def test_checker_flags_stray_and_spanning_accesses(bounds_checked):
     bounds_checked.clear()
     _copy_kernel[(1,)](b, b, 32, 64, BLOCK=64)
     assert bounds_checked == ["_copy_kernel: store outside every argument (32 addresses)"]
+
+
+@pytest.mark.parametrize("case", ["z_d_gqa", "noz_nod", "per_rank", "norm_w"])
+def test_operator_accesses_stay_inside_arguments(case, bounds_checked):
+    """The whole operator's kernels, forward and backward, with its final states and from an
+    initial state (the angles' walk in more parts than a row has blocks)."""
+    from test_operator import CASES, _leaves
+    from test_reference_operator import make_args
+    from mamba3_mimo import mamba3_mimo
+    make_kw, op_kw, w_shape = CASES[case]
+    ours, _ = _leaves(make_args(**make_kw), torch.float32, "cpu", None)
+    if w_shape is not None:
+        ours["outproj_norm_weight"] = torch.ones(w_shape, requires_grad=True)
+    ours.update(op_kw)
+    out, *final = mamba3_mimo(**ours, return_state=True)
+    (out.sum() + sum(x.sum() for x in final)).backward()
+    out, *_ = mamba3_mimo(**ours, return_state=True, initial_state=tuple(
+        x.detach().requires_grad_(True) for x in final))
+    out.sum().backward()
+    assert not bounds_checked, "\n".join(bounds_checked[:10])

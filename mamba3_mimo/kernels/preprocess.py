@@ -130,7 +130,9 @@ def angle_sum_kernel(angles_raw, dt, angle0, angles, d_angles, d_angles_raw, d_d
     n_blocks = tl.cdiv(n_steps, BS)
     # the part's blocks, counted in walk order (from the last block in REVERSE)
     per_part = tl.cdiv(n_blocks, parts)
-    start = part * per_part
+    # a part past the last block (more parts than blocks) walks nothing; its start clamped, so
+    # that the sum of the parts before it reads no block past the row's (in REVERSE, before it)
+    start = tl.minimum(part * per_part, n_blocks)
     stop = tl.minimum(start + per_part, n_blocks)
     # the parts before this one: their sum, block by block (mod 2*pi forward), loading a block
     # while the one before it is added
