@@ -112,10 +112,12 @@ def test_checker_flags_stray_and_spanning_accesses(bounds_checked):
 @pytest.mark.parametrize("case", ["z_d_gqa", "noz_nod", "per_rank", "norm_w"])
 def test_operator_accesses_stay_inside_arguments(case, bounds_checked):
     """The whole operator's kernels, forward and backward, with its final states and from an
-    initial state (the angles' walk in more parts than a row has blocks)."""
+    initial state (the angles' walk in more parts than a row has blocks), and the final states
+    alone (context parallelism's summary: phase 2 without dy)."""
     from test_operator import CASES, _leaves
     from test_reference_operator import make_args
     from mamba3_mimo import mamba3_mimo
+    from mamba3_mimo.phases.operator import final_states
     make_kw, op_kw, w_shape = CASES[case]
     ours, _ = _leaves(make_args(**make_kw), torch.float32, "cpu", None)
     if w_shape is not None:
@@ -126,4 +128,9 @@ def test_operator_accesses_stay_inside_arguments(case, bounds_checked):
     out, *_ = mamba3_mimo(**ours, return_state=True, initial_state=tuple(
         x.detach().requires_grad_(True) for x in final))
     out.sum().backward()
+    args = dict(ours, initial_state=None, cu_seqlens=None)
+    args.setdefault("fuse_pregate_headwise_rms_norm", False)
+    args.setdefault("outproj_norm_weight", None)
+    args.setdefault("outproj_norm_eps", 1e-5)
+    sum(x.sum() for x in final_states(args)).backward()
     assert not bounds_checked, "\n".join(bounds_checked[:10])

@@ -183,3 +183,53 @@ def test_errors():
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="initialized torch.distributed"):
             mamba3_mimo(**args, context_parallel_group=object())
+
+
+@pytest.mark.parametrize("case", ["z_d_gqa", "noz_nod", "per_rank", "norm_w"])
+def test_final_states_alone(case):
+    """operator.final_states, a slice's summary (no output stage; phase 2 without dy's terms):
+    the four final states bit for bit those of mamba3_mimo(..., return_state=True), and the
+    gradients of a loss on them within the fp32 threshold of the float64 reference's; None for
+    the inputs that reach the output alone, whose reference gradient is zero."""
+    from test_operator import CASES as OPERATOR_CASES
+    from test_reference_operator import INPUT_NAMES, make_args
+    from mamba3_mimo.phases.operator import final_states
+    from mamba3_mimo.reference import mamba3_mimo_reference
+    make_kw, op_kw, w_shape = OPERATOR_CASES[case]
+    args64 = make_args(**make_kw)
+    if w_shape is not None:
+        gen = torch.Generator().manual_seed(9)
+        args64["outproj_norm_weight"] = 1 + 0.3 * torch.randn(w_shape, generator=gen,
+                                                              dtype=torch.float64)
+    args64.update(op_kw)
+
+    def leaves(dtype, device):
+        out = {n: (x.detach().to(device, dtype).requires_grad_(True)
+                   if isinstance(x, torch.Tensor) else x) for n, x in args64.items()}
+        out["dtype"] = dtype
+        return out
+
+    ours = leaves(torch.float32, DEVICE)
+    call = dict(ours, initial_state=None, cu_seqlens=None)
+    for name, value in (("fuse_pregate_headwise_rms_norm", False), ("outproj_norm_weight", None),
+                        ("outproj_norm_eps", 1e-5)):
+        call.setdefault(name, value)
+    got = final_states(call)
+    whole = mamba3_mimo(**ours, return_state=True)[1:]
+    for g, w in zip(got, whole):
+        assert torch.equal(g, w)
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in got]
+    sum((x.double() * w.to(x.device)).sum() for x, w in zip(got, weights)).backward()
+    ref = leaves(torch.float64, "cpu")
+    want = mamba3_mimo_reference(**ref, return_state=True)[1:]
+    sum((x * w).sum() for x, w in zip(want, weights)).backward()
+    names = [n for n in INPUT_NAMES + ("outproj_norm_weight",)
+             if isinstance(ref.get(n), torch.Tensor)]
+    for n in names:
+        g, w = ours[n].grad, ref[n].grad
+        if g is None or w is None:  # not on the final states' path, or zero there
+            assert (g is None or not g.any()) and (w is None or not w.any()), n
+        else:
+            e = rel_rms(g.cpu(), w)
+            assert e <= LIMIT, f"d{n}: {e:.2e} above {LIMIT}"

@@ -48,7 +48,8 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
                       sqs, sqr, sqg, sqn, svb, svs, svh, svp,
                       TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr, BP: tl.constexpr,
                       PREC: tl.constexpr, HAS_Z: tl.constexpr, FAST: tl.constexpr,
-                      GATED: tl.constexpr, VARLEN: tl.constexpr, FINALS: tl.constexpr):
+                      GATED: tl.constexpr, VARLEN: tl.constexpr, FINALS: tl.constexpr,
+                      NO_DY: tl.constexpr):
     """One (b, h), one block of BJ pair rows and one of BP columns of the state per program
     (grid (B*H, pair blocks * P blocks)); dstates [B, H, nc + 1, N, P] fp32 holds d final state
     in entry nc on entry, every entry on exit. dy [B, S_pad, R, H, P] fp32, or with GATED
@@ -59,7 +60,9 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
     d_final[j] ([n_seq, H, N, P] fp32); the sequences run side by side (with B > 1, segments of
     a dense call: per (segment, b*h), bounds the same in every batch entry). FINALS (with
     VARLEN): the gradient entering each chain's first chunk also goes to finals, rows as
-    d_final's (chains that are segments, packed.Segments)."""
+    d_final's (chains that are segments, packed.Segments). NO_DY: dy = 0 (only the final
+    state's gradient): each chunk's gradient is the next one's decayed, and q and dy are not
+    read."""
     bh, lo, n_ch, seq_row = chain(tl.program_id(0), n_bh, nc, bounds, VARLEN)
     b, h = bh // H, bh % H
     HALF = N // 2
@@ -90,21 +93,30 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
     # used an iteration later, so that the walk does not wait for memory at every chunk (the
     # forward's fused scan does the same); loaded before the dots, they were waited for by the
     # proxy fence that precedes a wgmma, which waits for every load in flight.
-    x1, x2, cs, sn, w, y_in, log_decay = _scan_inputs(
-        q_h, cos, sin, terms, dy_bh, gate, da_cs, lo + n_ch - 1, n_ch > 0, t, r, rows, p, pm,
-        j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ, HAS_Z,
-        GATED)
+    if NO_DY:
+        log_decay = tl.load(da_cs + row + (lo + n_ch) * C - 1, mask=n_ch > 0, other=0.0)
+    else:
+        x1, x2, cs, sn, w, y_in, log_decay = _scan_inputs(
+            q_h, cos, sin, terms, dy_bh, gate, da_cs, lo + n_ch - 1, n_ch > 0, t, r, rows, p,
+            pm, j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ,
+            HAS_Z, GATED)
     for i in range(n_ch):
         c = lo + n_ch - 1 - i
-        q1, q2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
-        d_y = dy_of(y_in, HAS_Z, FAST, GATED)
-        decay = tl.exp(log_decay)
-        run1 = mac(run1 * decay, tl.trans(q1 * w[:, None]), d_y, PREC)
-        run2 = mac(run2 * decay, tl.trans(q2 * w[:, None]), d_y, PREC)
-        x1, x2, cs, sn, w, y_in, log_decay = _scan_inputs(
-            q_h, cos, sin, terms, dy_bh, gate, da_cs, c - 1, i + 1 < n_ch, t, r, rows, p, pm,
-            j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP, RP, BJ,
-            HAS_Z, GATED)
+        if NO_DY:
+            decay = tl.exp(log_decay)
+            run1 = run1 * decay
+            run2 = run2 * decay
+            log_decay = tl.load(da_cs + row + c * C - 1, mask=i + 1 < n_ch, other=0.0)
+        else:
+            q1, q2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
+            d_y = dy_of(y_in, HAS_Z, FAST, GATED)
+            decay = tl.exp(log_decay)
+            run1 = mac(run1 * decay, tl.trans(q1 * w[:, None]), d_y, PREC)
+            run2 = mac(run2 * decay, tl.trans(q2 * w[:, None]), d_y, PREC)
+            x1, x2, cs, sn, w, y_in, log_decay = _scan_inputs(
+                q_h, cos, sin, terms, dy_bh, gate, da_cs, c - 1, i + 1 < n_ch, t, r, rows, p,
+                pm, j0, row, plane, y_row, R, H, C, HALF, P, RD, sqs, sqr, sqn, svs, svp, TP,
+                RP, BJ, HAS_Z, GATED)
         ds_c = ds + c * N * P
         tl.store(ds_c + st_off, run1, mask=jm)
         tl.store(ds_c + HALF * P + st_off, run2, mask=jm)
@@ -180,7 +192,7 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
                           svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
                           BP: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                           HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
-                          OPAQUE: tl.constexpr, PREFETCH: tl.constexpr):
+                          OPAQUE: tl.constexpr, PREFETCH: tl.constexpr, NO_DY: tl.constexpr):
     """dQr = (dP W) Kr + Q_DECAY dY states[c]^T and dKr = (dP W)^T Qr + K_DECAY PsiV
     dstates[c + 1]^T on one block of BJ pair columns, rotated back and summed over the heads of a
     group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
@@ -190,7 +202,8 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
     writes d_angles [B, S_pad, H, RD]
     on the block's pairs, and for chunk_grads_v_kernel the block's shares of sum_n Qr dQr's
     inter-chunk term per step (part_cs [n_jb, B*H, S_pad]) and of <dstates[c + 1], states[c]>
-    (part_carried [n_jb, B*H, nc]); all fp32."""
+    (part_carried [n_jb, B*H, nc]); all fp32. NO_DY: dy = 0 (only the final state's
+    gradient): dQr = 0 and dKr = K_DECAY PsiV dstates[c + 1]^T, dy not read."""
     pid = tl.program_id(0)
     n_jb = tl.cdiv(HALF, BJ)
     jb = pid % n_jb
@@ -236,15 +249,17 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         carried = 0.0
         for p0 in range(0, P, BP):
             p, pm, xv, mv = v_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-            y_in = dy_loads(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z,
-                            GATED)
+            if not NO_DY:
+                y_in = dy_loads(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z,
+                                GATED)
             st1, st2 = state_block(st_at, j0, p0, HALF, P, BJ, BP)
             ds1, ds2 = state_block(ds_at, j0, p0, HALF, P, BJ, BP)
             psiv = psi_v_rows(landed(xv, OPAQUE), landed(mv, OPAQUE))
-            d_y = dy_of(y_in, HAS_Z, FAST, GATED, OPAQUE)
-            dp = mac(dp, d_y, tl.trans(psiv), PREC)
-            dq1 = mac(dq1, d_y, tl.trans(st1), PREC)
-            dq2 = mac(dq2, d_y, tl.trans(st2), PREC)
+            if not NO_DY:
+                d_y = dy_of(y_in, HAS_Z, FAST, GATED, OPAQUE)
+                dp = mac(dp, d_y, tl.trans(psiv), PREC)
+                dq1 = mac(dq1, d_y, tl.trans(st1), PREC)
+                dq2 = mac(dq2, d_y, tl.trans(st2), PREC)
             dk1 = mac(dk1, psiv, tl.trans(ds1), PREC)
             dk2 = mac(dk2, psiv, tl.trans(ds2), PREC)
             carried += tl.sum(tl.sum(ds1 * st1 + ds2 * st2, axis=1), axis=0)
@@ -269,11 +284,15 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         tl.store(part_cs + (jb * n_bh + bh) * S_pad + s0 + ts,
                  step_sums(tl.sum(q1 * dq1 + q2 * dq2, axis=1), RP), mask=steps)
         tl.store(part_carried + (jb * n_bh + bh) * nc + c, carried)
-        m = dp * rows_of_steps(w, RP)
-        dq1 = mac(dq1, m, k1, PREC)
-        dq2 = mac(dq2, m, k2, PREC)
-        dk1 = mac(k_decay[:, None] * dk1, tl.trans(m), q1, PREC)
-        dk2 = mac(k_decay[:, None] * dk2, tl.trans(m), q2, PREC)
+        if NO_DY:
+            dk1 = k_decay[:, None] * dk1
+            dk2 = k_decay[:, None] * dk2
+        else:
+            m = dp * rows_of_steps(w, RP)
+            dq1 = mac(dq1, m, k1, PREC)
+            dq2 = mac(dq2, m, k2, PREC)
+            dk1 = mac(k_decay[:, None] * dk1, tl.trans(m), q1, PREC)
+            dk2 = mac(k_decay[:, None] * dk2, tl.trans(m), q2, PREC)
         d_ang = tl.sum(tl.reshape(dq2 * q1 - dq1 * q2 + dk2 * k1 - dk1 * k2, (TP, RP, BJ)), 1)
         a_at = ((b * S_pad + s0) * H + h) * RD + ts * H * RD  # a step's d_angles
         tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
@@ -300,7 +319,7 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
                          BJ: tl.constexpr, BP: tl.constexpr, NJB: tl.constexpr,
                          HAS_D: tl.constexpr, PREC: tl.constexpr, BA: tl.constexpr,
                          HAS_Z: tl.constexpr, FAST: tl.constexpr, GATED: tl.constexpr,
-                         OPAQUE: tl.constexpr, PREFETCH: tl.constexpr):
+                         OPAQUE: tl.constexpr, PREFETCH: tl.constexpr, NO_DY: tl.constexpr):
     """dPsiV = (Sc W)^T dY + K_DECAY Kr dstates[c + 1] + D dY with Sc = Qr Kr^T, and the per-step
     gradients, per (b*h, chunk) (b*h fastest: a group's heads read the same q and k together).
     Sc in one walk over N in blocks of BJ pairs; then per block of BP columns of P, Kr
@@ -309,7 +328,8 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     [B*H, nc], HAS_D), these two added to what is there (loaded with the block's other
     inputs). Then d_gamma, d_trap_scale and d_adt [B, H, S_pad] from Sc dP summed over
     the ranks and chunk_grads_qk_kernel's shares part_cs, part_carried (summed over its n_jb
-    blocks, NJB = next_pow2(n_jb), in a fixed order); all fp32."""
+    blocks, NJB = next_pow2(n_jb), in a fixed order); all fp32. NO_DY: dy = 0 (only the final
+    state's gradient): dPsiV = K_DECAY Kr dstates[c + 1], no scores, dy not read."""
     pid = tl.program_id(0)
     bh, c = (pid % n_bh).to(tl.int64), (pid // n_bh).to(tl.int64)
     b, h = bh // H, bh % H
@@ -340,8 +360,9 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
         d_before = tl.load(part_d + bh * nc + c)  # what the groups of batch entries left there
     gamma, trap_scale, k_decay, q_decay, seg = chunk_term_loads(
         terms, segsum, t, r, bh, c, S_pad, nc, plane, R, C, TP)
-    sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
-                      cs_off, HALF, RD, sqn, skn, BJ, PREC, OPAQUE)
+    if not NO_DY:
+        sc = chunk_scores(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at, sin_at,
+                          cs_off, HALF, RD, sqn, skn, BJ, PREC, OPAQUE)
     e, w = chunk_weights(gamma, trap_scale, seg, C, TP)
     sdp = tl.zeros([TP, TP], dtype=tl.float32)  # Sc dP summed over the ranks, per pair of steps
     inter_k_rows = tl.zeros([ROWS], dtype=tl.float32)  # Kr . dstates[c + 1] PsiV per row
@@ -351,7 +372,9 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
     for p0 in range(0, P, BP):
         # the block's loads outside the walk over N, issued before it
         p, pm, xv, mv = v_block(v_at, ts, steps, svs, svp, mv_at, R, P, p0, BP, RP)
-        y_in = dy_loads(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z, GATED)
+        if not NO_DY:
+            y_in = dy_loads(y_src, y_row, rows, ts, steps, svs, svp, R, P, p, pm, RP, HAS_Z,
+                            GATED)
         psi_ok = (rk < R)[:, None] & pm[None, :]
         psi_before = tl.load(part_psi + psi_at + p[None, :], mask=psi_ok, other=0.0)
         kd = tl.zeros([ROWS, BP], dtype=tl.float32)  # Kr dstates[c + 1]
@@ -364,14 +387,19 @@ def chunk_grads_v_kernel(q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da
             kd = mac(mac(kd, k1, ds1, PREC), k2, ds2, PREC)
         xv, mv = landed(xv, OPAQUE), landed(mv, OPAQUE)
         psiv = psi_v_rows(xv, mv)
-        d_y = dy_of(y_in, HAS_Z, FAST, GATED, OPAQUE)
+        if not NO_DY:
+            d_y = dy_of(y_in, HAS_Z, FAST, GATED, OPAQUE)
         psi_before = landed(psi_before, OPAQUE)
-        sdp += steps_of_rows(sc * tl.dot(d_y, tl.trans(psiv), input_precision=PREC), RP)
-        inter_k_rows += tl.sum(psiv * kd, axis=1)
-        dpv = mac(k_decay[:, None] * kd, tl.trans(sc * rows_of_steps(w, RP)), d_y, PREC)
-        if HAS_D:
-            dpv += d_h * d_y
-            d_sum += tl.sum(tl.sum(d_y * psiv, axis=1), axis=0)
+        if NO_DY:
+            inter_k_rows += tl.sum(psiv * kd, axis=1)
+            dpv = k_decay[:, None] * kd
+        else:
+            sdp += steps_of_rows(sc * tl.dot(d_y, tl.trans(psiv), input_precision=PREC), RP)
+            inter_k_rows += tl.sum(psiv * kd, axis=1)
+            dpv = mac(k_decay[:, None] * kd, tl.trans(sc * rows_of_steps(w, RP)), d_y, PREC)
+            if HAS_D:
+                dpv += d_h * d_y
+                d_sum += tl.sum(tl.sum(d_y * psiv, axis=1), axis=0)
         # PsiV = v Psi: dV sums dPsiV Psi over the ranks, dPsi dPsiV v over the chunk's steps
         dpv3 = tl.reshape(dpv, (TP, RP, BP))
         tl.store(dv + v_base + ts[:, None] * H * P + p[None, :],
@@ -551,8 +579,9 @@ def chunk_buffers(consts, device, d_final_state=None) -> dict:
 
 def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev, segsum,
              dy, states, consts, precision: str, bounds=None, d_ends=None, segments=None,
-             finals=None, gate=None, dq, dk, part_qb, part_kb, dv, part_psi, part_d, d_angles,
-             d_gamma, d_trap_scale, d_adt, dstates, part_cs, part_carried) -> list:
+             finals=None, gate=None, no_dy: bool = False, dq, dk, part_qb, part_kb, dv,
+             part_psi, part_d, d_angles, d_gamma, d_trap_scale, d_adt, dstates, part_cs,
+             part_carried) -> list:
     """raw_y_grads' three launches (the reverse scan, chunk_grads_qk, chunk_grads_v) into the
     tensors of `buffers`. dy: d raw_y [B, S_pad, R, H, P] fp32; or None with gate = (dout, z,
     mimo_o, mimo_z): dy recomputed where it is read from dout and z [B, S_pad, H, P] (with v's
@@ -562,7 +591,8 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
     packed sequences, or a dense call's chunks at B < 4) take d_ends [n_segs, B, H, N, P] (zero
     but in each sequence's last segment) and write the gradients entering them into finals of
     the same shape (fp32), joined by a fourth launch after the reverse scan
-    (chunk_state.join_launch)."""
+    (chunk_state.join_launch). no_dy: dy = 0 (dy and gate None), the gradients from the final
+    states' alone, which the kernels compute without dy's terms (NO_DY)."""
     m = consts
     B, S_pad, R, G, N = q.shape
     H, P = v.shape[2], v.shape[3]
@@ -572,8 +602,8 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
     stand = placeholder(q.device)
     opt = lambda x: stand if x is None else x  # noqa: E731
     if gate is None:
-        gated = dict(dy=dy, dout=stand, z=stand, mimo_o=stand, mimo_z=stand, HAS_Z=False,
-                     GATED=False)
+        gated = dict(dy=stand if no_dy else dy, dout=stand, z=stand, mimo_o=stand, mimo_z=stand,
+                     HAS_Z=False, GATED=False)
     else:
         dout, z, mimo_o, mimo_z = gate
         if any(x is not None and x.stride() != vs for x in (dout, z)):
@@ -585,7 +615,7 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
     common = dict(S_pad=S_pad, nc=nc, plane=B * H * S_pad, H=H, HG=H // G, R=R, C=C,
                   N=N, P=P, RD=m.RD, sqs=qs[1], sqr=qs[2], sqg=qs[3], sqn=qs[4], svs=vs[1],
                   svh=vs[2], svp=vs[3], TP=m.TP, RP=m.RP, PREC=precision,
-                  FAST=2 if m.OPAQUE else 1, **gated)
+                  FAST=2 if m.OPAQUE else 1, NO_DY=no_dy, **gated)
     BA = input_align(m.ALIGN, q, k, v)  # dout and z: v's strides
     inputs = dict(q=q, k=k, v=v, q_bias=q_bias, k_bias=k_bias, mimo_v=mimo_v, terms=terms,
                   cos=cos, sin=sin, segsum=segsum, dstates=dstates, BA=BA,

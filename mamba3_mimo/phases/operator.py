@@ -477,35 +477,43 @@ TENSOR_ARGS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V",
                "MIMO_Out", "Angles", "D", "Z", "norm_weight", "angle0", "state0", "k0", "v0")
 
 
-def _forward(pb: Problem, x: dict, with_states: bool = True) -> Tuple[Tensor, ...]:
+def _forward(pb: Problem, x: dict, with_states: bool = True,
+             with_out: bool = True) -> Tuple[Tensor, ...]:
     """(out, final_angle, final_state, final_k, final_v) of a validated call, the final states
     per batch entry or per sequence when packed; (out,) alone without `with_states` (the final
-    states' few small ops are a visible share of a small shape's host time)."""
+    states' few small ops are a visible share of a small shape's host time); the four final
+    states alone without `with_out` (no output stage: a slice's summary, context_parallel)."""
     pk, lpb, xl = layout(pb, x, x["cu"], final_states=with_states)
     tiled = tiled_output(x)
     # chunk_output's tiles alone read the states of a forward without final states: in 16 bits
     env = prepare(lpb, xl, pk, rounded=tiled and not with_states)
     m = env["m"]
-    ranks = () if x["MIMO_Out"] is not None else (pb.R,)
-    env["out"] = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=pb.device,
-                             dtype=x["Q"].dtype)
-    if not tiled:
-        env["norm_w"] = _norm_weight(pb, x)
-    launch_all(plan_key("forward", lpb, x, env, tiled, x["fuse_norm"], x["eps"],
-                        env["rounded"]), env,
-               lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled, False)],
-               pb.device)
-    out = env["out"]
-    out = out[:, :pb.S] if pk is None else packed.unpack(out, 1, pk)
-    if not with_states:
-        return (out.contiguous(),)
+    if with_out:
+        ranks = () if x["MIMO_Out"] is not None else (pb.R,)
+        env["out"] = torch.empty(lpb.B, m.S_pad, *ranks, pb.H, pb.P, device=pb.device,
+                                 dtype=x["Q"].dtype)
+        if not tiled:
+            env["norm_w"] = _norm_weight(pb, x)
+        launch_all(plan_key("forward", lpb, x, env, tiled, x["fuse_norm"], x["eps"],
+                            env["rounded"]), env,
+                   lambda: prepare_launches(lpb, env) + [output_launch(lpb, x, env, tiled,
+                                                                       False)],
+                   pb.device)
+        out = env["out"]
+        out = out[:, :pb.S] if pk is None else packed.unpack(out, 1, pk)
+        if not with_states:
+            return (out.contiguous(),)
+    else:
+        launch_all(plan_key("states", lpb, x, env), env, lambda: prepare_launches(lpb, env),
+                   pb.device)
     angle = _last_rows(env["angles"], pk, pb.S).clone()  # [., H, RD]
     # the final states enter the pad chunks (layout): [., H, N, P] -> [., H, P, N]
     final_state = (env["states"][:, :, -1] if pk is None else
                    env["states"][0].index_select(1, pk.pad_chunks).transpose(0, 1))
     k_last = _last_rows(xl["K"], pk, pb.S)
-    return (out.contiguous(), angle, final_state.transpose(-1, -2).contiguous(),
-            _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, pb.S).clone())
+    states = (angle, final_state.transpose(-1, -2).contiguous(),
+              _final_k(pb, k_last, x["K_bias"], angle), _last_rows(xl["V"], pk, pb.S).clone())
+    return (out.contiguous(), *states) if with_out else states
 
 
 def call_inputs(opts: dict, tensors: tuple) -> dict:
@@ -532,6 +540,25 @@ class Mamba3Mimo(torch.autograd.Function):
         x = call_inputs(ctx.opts, ctx.saved_tensors)
         with on_device(ctx.pb.device):
             return (None, None) + _backward(ctx.pb, x, d_out, d_states)
+
+
+class Mamba3MimoStates(torch.autograd.Function):
+    """The four final states of a call without its output (a slice's summary in
+    context_parallel): the forward runs no output stage, the backward no output gradient, its
+    second phase without dy's terms (chunk_grads' NO_DY)."""
+
+    @staticmethod
+    def forward(ctx, pb: Problem, opts: dict, *tensors):
+        x = call_inputs(opts, tensors)
+        ctx.pb, ctx.opts = pb, opts
+        ctx.save_for_backward(*tensors)
+        return _forward(pb, x, with_out=False)
+
+    @staticmethod
+    def backward(ctx, *d_states):
+        x = call_inputs(ctx.opts, ctx.saved_tensors)
+        with on_device(ctx.pb.device):
+            return (None, None) + _backward(ctx.pb, x, None, d_states)
 
 
 # ---------------------------------------------------------------------------- torch.compile
@@ -631,13 +658,16 @@ def _sum_in_order(parts: List[dict]) -> dict:
     return total
 
 
-def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
+def _backward(pb: Problem, x: dict, d_out: Optional[Tensor], d_states: tuple) -> tuple:
     """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one). The
     output stage's gradient and phase 2 run per group of batch entries (configs.backward_group),
-    on buffers of one group's size that the groups reuse; the rest runs once."""
+    on buffers of one group's size that the groups reuse; the rest runs once. d_out None: a call
+    without its output (Mamba3MimoStates), the gradients from the final states' alone: no output
+    stage, phase 2 without dy's terms, None for the inputs that reach the output only."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     # a plan built with dout as one of the inputs would bind them from one name
-    x = dict(x, aliased=x["aliased"] or any(d_out is xl[n] for n in SEQ_DIM if xl[n] is not None))
+    x = dict(x, no_dy=d_out is None, aliased=x["aliased"] or (
+        d_out is not None and any(d_out is xl[n] for n in SEQ_DIM if xl[n] is not None)))
     m = kernel_constants(lpb)
     B, L, H, G, N, P, R = lpb.B, lpb.S, pb.H, pb.G, pb.N, pb.P, pb.R  # L: the layout's steps
     S_pad, dev = m.S_pad, pb.device
@@ -645,10 +675,10 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     # the gradients of the final angle, state, k and v (None where unused)
     d_angle_end, d_state, d_k, d_v = (d_states + (None,) * 4)[:4]
     if pk is None:
-        dout = _pad_steps(d_out.contiguous(), 1, S_pad)
+        dout = None if d_out is None else _pad_steps(d_out.contiguous(), 1, S_pad)
         d_final, d_ends = None if d_state is None else d_state.transpose(-1, -2), None
     else:
-        dout = packed.pack(d_out, 1, pk)
+        dout = None if d_out is None else packed.pack(d_out, 1, pk)
         d_ends = (torch.zeros(pk.n_seq, H, N, P, **f32) if d_state is None
                   else d_state.transpose(-1, -2).contiguous())
         d_final = d_ends[-1:]  # the last sequence's, where the reverse scan starts
@@ -659,13 +689,13 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
     steps = chunk_grads.step_buffers(m, dev, dq_dtype=x16,
                                      dk_dtype=x16 if d_k is None else torch.float32,
                                      dv_dtype=x16 if d_v is None else torch.float32)
-    if pb.has_z:
+    if pb.has_z and not x["no_dy"]:
         steps["dz"] = torch.empty(B, S_pad, H, P, device=dev, dtype=x["Z"].dtype)
     inputs = kernel_inputs(lpb, xl, pk)
     # per batch entry: the states entering each chunk and their gradients, and dy where
     # chunk_forward writes it (fp32)
     entry_bytes = 4 * H * N * P * (2 * m.nc + 1)
-    if not tiled_output(x):
+    if not tiled_output(x) and not x["no_dy"]:
         entry_bytes += 4 * S_pad * R * H * P
     group = configs.backward_group(B, entry_bytes)
     # every group's rows of the tensors with a batch axis, one split each
@@ -674,8 +704,8 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
                                                 d_final=d_final).items()
             if t is not None and (name not in inputs or name in _BATCH_INPUTS)}
     buffers, sums, angle, d_entering = None, [], [], []
-    for i in range(len(rows["dout"])):
-        gpb = dataclasses.replace(lpb, B=len(rows["dout"][i]))
+    for i in range(len(rows["Q"])):
+        gpb = dataclasses.replace(lpb, B=len(rows["Q"][i]))
         if buffers is None or buffers["m"].B != gpb.B:
             if buffers is not None:  # a last, smaller group: the larger groups' sums first
                 sums.append(_parameter_sums(x, buffers))
@@ -726,9 +756,9 @@ def _backward(pb: Problem, x: dict, d_out: Tensor, d_states: tuple) -> tuple:
         _add_last_rows(dV, d_v, pk, L)
     grads.update(Q=steps["dq"][:, :L], K=dK, V=dV, ADT=steps["d_adt"][..., :L], DT=d_dt,
                  Trap=d_trap, Angles=d_raw_angles)
-    if pb.has_z:
+    if "dz" in steps:
         grads["Z"] = steps["dz"][:, :L]
-    elif x["MIMO_Z"] is not None:  # given without Z: unused
+    elif x["MIMO_Z"] is not None and not pb.has_z:  # given without Z: unused
         grads["MIMO_Z"] = torch.zeros_like(x["MIMO_Z"])
     if d_entering is not None:
         # the reverse scan's gradient of the state entering each sequence's first chunk
@@ -754,16 +784,16 @@ def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
     m = env["m"]
     B, H, P, R, nc = pb.B, pb.H, pb.P, pb.R, m.nc
     f32 = dict(device=pb.device, dtype=torch.float32)
-    if not tiled_output(x):  # after chunk_output's tiles, phase 2 recomputes dy
+    if not tiled_output(x) and not x["no_dy"]:  # after chunk_output's tiles phase 2 recomputes dy
         env["dy"] = torch.empty(B, m.S_pad, R, H, P, **f32)
         env["norm_w"] = _norm_weight(pb, x)
     # the output stage's per-chunk partial sums of the norm weight's, MIMO_Z's and MIMO_Out's
     # gradients, zero: the groups add theirs (common.store_or_add)
-    if x["fuse_norm"]:
+    if x["fuse_norm"] and not x["no_dy"]:
         env["part_w"] = torch.zeros(B * H, nc, P, **f32)
-    if pb.has_z:
+    if pb.has_z and not x["no_dy"]:
         env["part_z"] = torch.zeros(B * H, nc, R, P, **f32)
-    if x["MIMO_Out"] is not None:
+    if x["MIMO_Out"] is not None and not x["no_dy"]:
         env["part_o"] = torch.zeros(B * H, nc, R, P, **f32)
     env.update(chunk_grads.chunk_buffers(m, pb.device))
     seg = env["segments"]
@@ -792,8 +822,8 @@ def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
         src = d_ends if pk is not None else d_final.reshape(1, B, H, N, P)
         env["d_ends"].view(seg.n_segs, -1).index_copy_(0, seg.ends, src.reshape(len(src), -1))
     tiled = tiled_output(x)
-    launch_all(plan_key("backward", pb, x, env, tiled, x["fuse_norm"], x["eps"]), env,
-               lambda: _group_launches(pb, x, env, tiled), pb.device)
+    launch_all(plan_key("backward", pb, x, env, tiled, x["fuse_norm"], x["eps"], x["no_dy"]),
+               env, lambda: _group_launches(pb, x, env, tiled), pb.device)
     # of the running angles only the last step's is read below (the kernels read cos and sin)
     out = dict(angle=_last_rows(env["angles"], pk, pb.S).clone() if with_angle else None,
                d_entering=None)
@@ -815,7 +845,7 @@ def _parameter_sums(x: dict, env: dict) -> dict:
     for name, part in (("MIMO_Z", "part_z"), ("MIMO_Out", "part_o")):
         if part in env:
             sums[name] = env[part].view(B, H, nc, R, P).sum((0, 2))
-    if x["norm_weight"] is not None:
+    if "part_w" in env and x["norm_weight"] is not None:
         sums["norm_weight"] = env["part_w"].view(B, H, nc, P).sum((0, 2)).reshape(
             x["norm_weight"].shape)
     if m.HAS_D:
@@ -825,12 +855,14 @@ def _parameter_sums(x: dict, env: dict) -> dict:
 
 def _group_launches(pb: Problem, x: dict, env: dict, tiled: bool) -> list:
     """A group's launches: the preparation (prepare_launches), the output stage's gradient and
-    phase 2 (chunk_grads.launches, dy recomputed after chunk_output's tiles)."""
+    phase 2 (chunk_grads.launches, dy recomputed after chunk_output's tiles); without an output
+    gradient (no_dy) no output stage, phase 2 without dy."""
     stand = placeholder(pb.device)
     gate = None
-    if tiled:
+    if tiled and not x["no_dy"]:
         gate = (env["dout"], env["Z"], env["MIMO_Out"], env["MIMO_Z"] if pb.has_z else None)
-    return prepare_launches(pb, env) + [output_launch(pb, x, env, tiled, True)] + \
+    output = [] if x["no_dy"] else [output_launch(pb, x, env, tiled, True)]
+    return prepare_launches(pb, env) + output + \
         chunk_grads.launches(
             q=env["Q"], k=env["K"], v=env["V"], q_bias=env["Q_bias"], k_bias=env["K_bias"],
             mimo_v=env["MIMO_V"], d=stand if env["D"] is None else env["D"],
@@ -838,7 +870,7 @@ def _group_launches(pb: Problem, x: dict, env: dict, tiled: bool) -> list:
             da_cs_rev=env["da_cs_rev"], segsum=env["segsum"], dy=env.get("dy"),
             states=env["states"], consts=env["m"], precision=env["m"].PREC,
             bounds=env["chunk_bounds"], d_ends=env["d_ends"], segments=env["segments"],
-            finals=env.get("finals"), gate=gate,
+            finals=env.get("finals"), gate=gate, no_dy=x["no_dy"],
             **{name: env[name] for name in _PHASE_2_BUFFERS})
 
 
@@ -927,5 +959,26 @@ def _context_parallel(args: dict):
         return mamba3_mimo(**plain, return_state=return_state,
                            initial_state=args["initial_state"])
     return context_parallel.context_parallel(
-        lambda init: mamba3_mimo(**plain, return_state=True, initial_state=init), args, group,
-        return_state)
+        lambda init: mamba3_mimo(**plain, return_state=True, initial_state=init),
+        lambda: final_states(dict(plain, initial_state=None)), args, group, return_state)
+
+
+# mamba3_mimo's tensor arguments, in TENSOR_ARGS' order but the initial state's
+_CALL_TENSORS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V", "MIMO_Z",
+                 "MIMO_Out", "Angles", "D", "Z", "outproj_norm_weight")
+
+
+def final_states(args: dict) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The four final states of mamba3_mimo(**args, return_state=True) without its output (args:
+    mamba3_mimo's keyword arguments but return_state and context_parallel_group; eager): the
+    forward runs no output stage and the backward no output gradient (Mamba3MimoStates)."""
+    a = args
+    fuse_norm = bool(a["fuse_pregate_headwise_rms_norm"])
+    pb, cu = validate(*[a[n] for n in _CALL_TENSORS[:14]], a["chunk_size"],
+                      a["rotary_dim_divisor"], a["dtype"], a["cu_seqlens"], fuse_norm,
+                      a["outproj_norm_weight"], a["initial_state"])
+    init = (None,) * 4 if a["initial_state"] is None else tuple(a["initial_state"])
+    opts = dict(return_state=True, fuse_norm=fuse_norm, eps=float(a["outproj_norm_eps"]),
+                cu=cu)
+    with on_device(pb.device):
+        return Mamba3MimoStates.apply(pb, opts, *[a[n] for n in _CALL_TENSORS], *init)
