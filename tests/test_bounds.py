@@ -134,3 +134,17 @@ def test_operator_accesses_stay_inside_arguments(case, bounds_checked):
     args.setdefault("outproj_norm_eps", 1e-5)
     sum(x.sum() for x in final_states(args)).backward()
     assert not bounds_checked, "\n".join(bounds_checked[:10])
+
+
+def test_packed_operator_accesses_stay_inside_arguments(bounds_checked):
+    """Packed sequences (a 1-step one, one shorter than a chunk, one of several chunks) through
+    the whole operator, forward and backward with the final states."""
+    from test_operator import _leaves
+    from test_reference_operator import make_args
+    from mamba3_mimo import mamba3_mimo
+    ours, _ = _leaves(make_args(B=1, S=23, H=2, G=1, R=2, N=8, P=6, chunk_size=4),
+                      torch.float32, "cpu", None)
+    cu = torch.tensor([0, 1, 4, 23], dtype=torch.int32)
+    out, *final = mamba3_mimo(**ours, return_state=True, cu_seqlens=cu)
+    (out.sum() + sum(x.sum() for x in final)).backward()
+    assert not bounds_checked, "\n".join(bounds_checked[:10])
