@@ -148,3 +148,21 @@ def test_packed_operator_accesses_stay_inside_arguments(bounds_checked):
     out, *final = mamba3_mimo(**ours, return_state=True, cu_seqlens=cu)
     (out.sum() + sum(x.sum() for x in final)).backward()
     assert not bounds_checked, "\n".join(bounds_checked[:10])
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_decode_step_accesses_stay_inside_arguments(norm, bounds_checked):
+    """The decode step (mamba3_mimo_step), the state updated in place, with and without the
+    fused norm."""
+    from test_reference_operator import make_args, state_for
+    from mamba3_mimo import mamba3_mimo_step
+    from mamba3_mimo.phases.step import step_arguments
+    args = make_args(B=2, S=1, H=4, G=2, R=3, N=12, P=10)
+    state = tuple(x.float().contiguous() for x in state_for(args))
+    token = {n: (x.float() if isinstance(x, torch.Tensor) else x)
+             for n, x in step_arguments(args, 0).items()}
+    if norm:
+        token.update(fuse_pregate_headwise_rms_norm=True,
+                     outproj_norm_weight=torch.ones(4, 10))
+    mamba3_mimo_step(**token, state=state)
+    assert not bounds_checked, "\n".join(bounds_checked[:10])
