@@ -20,7 +20,7 @@
 # validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
 # $OUT/san.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
-# $OUT/bench/results.{json,md,png} (sanitize: $OUT/sanitize_{bf16,fp16,fp32}.log). Nothing is
+# $OUT/bench/results.{json,md,png} (sanitize: $OUT/sanitize_{bf16,fp16,fp32,operator}.log). Nothing is
 # installed: the package runs from the tree (PYTHONPATH), with the machine's python3, torch and
 # triton. The device machine's copy of .git
 # can be stale: pass the commit, MAMBA3_GIT_COMMIT=<hash>, for the benchmark's records.
@@ -107,10 +107,12 @@ print("torch", torch.__version__, "cuda", torch.version.cuda); print("triton", t
 status=0
 if [ "$part" = sanitize ]; then
   # compute-sanitizer memcheck over the production path on small shapes, one process per input
-  # dtype, side by side (about 4 minutes on the H200, mostly compilation)
+  # dtype and one for the whole operator (scripts/sanitize.py operator), side by side (bwd_fwd's
+  # three took about 4 minutes on the H200, mostly compilation; the operator's not yet run);
+  # SANITIZE_RUNS picks some of them, e.g. SANITIZE_RUNS=operator
   cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
   pids=()
-  for d in bf16 fp16 fp32; do
+  for d in ${SANITIZE_RUNS:-bf16 fp16 fp32 operator}; do
     "$cs" --tool memcheck --print-limit 5 "$PY" scripts/sanitize.py "$d" \
       > "$OUT/sanitize_$d.log" 2>&1 &
     pids+=($!)

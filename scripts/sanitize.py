@@ -1,10 +1,13 @@
 """Run the production path on small shapes, for compute-sanitizer on a GPU: the test sweep's
 shapes (inputs.sweep_shapes: every R, N, P and rotary divisor, GQA, tails), two chunks run as
 sub-chunks and, for bf16, the eleven official model shapes at B=1, S=64 (their configs and output
-tiles).
-Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize.py {bf16|fp16|fp32} [filter]
-[repeats]: filter keeps the shapes whose repr contains it (e.g. "R=8, C=16"); each shape runs
-`repeats` times (default 1); MAMBA3_DIRECT=0 sends every launch through Triton's own path
+tiles). With `operator` for the dtype, the whole operator in bf16 on the sweep's shapes and the
+official ones instead: forward and backward with the final states, again from them as an initial
+state, with the fused norm, the final states alone (no output gradient), a decode step, and
+packed sequences (1 step, shorter than a chunk, the rest).
+Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize.py {bf16|fp16|fp32|operator}
+[filter] [repeats]: filter keeps the shapes whose repr contains it (e.g. "R=8, C=16"); each shape
+runs `repeats` times (default 1); MAMBA3_DIRECT=0 sends every launch through Triton's own path
 (runtime.launcher.DIRECT = False). Without CUDA (a dry run under TRITON_INTERPRET=1) the same
 calls run on CPU tensors through the interpreter.
 """
@@ -13,11 +16,50 @@ import sys
 
 import torch
 
-from mamba3_mimo import mamba3_mimo_bwd_fwd
-from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, sweep_shapes
+from mamba3_mimo import mamba3_mimo, mamba3_mimo_bwd_fwd, mamba3_mimo_step
+from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, operator_inputs, sweep_shapes
+from mamba3_mimo.phases.operator import final_states
+from mamba3_mimo.phases.step import step_arguments
 from mamba3_mimo.runtime import launcher
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "operator": torch.bfloat16}
+
+
+def _backward(outs) -> None:
+    sum(x.float().sum() for x in outs).backward()
+
+
+def operator_calls(s: Shape, device: str) -> None:
+    """The whole operator's paths on one shape, bf16 (the module's docstring)."""
+    args = operator_inputs(s, torch.bfloat16, device=device, seed=5)
+    for x in args.values():
+        if isinstance(x, torch.Tensor):
+            x.requires_grad_(True)
+    outs = mamba3_mimo(**args, return_state=True)
+    _backward(outs)
+    state = tuple(x.detach().requires_grad_(True) for x in outs[1:])
+    _backward(mamba3_mimo(**args, return_state=True, initial_state=state))
+    weight = torch.ones(s.H, s.P, device=device, requires_grad=True)
+    _backward([mamba3_mimo(**args, fuse_pregate_headwise_rms_norm=True,
+                           outproj_norm_weight=weight)])
+    _backward(final_states(dict(args, initial_state=None, cu_seqlens=None,
+                                fuse_pregate_headwise_rms_norm=False, outproj_norm_weight=None,
+                                outproj_norm_eps=1e-5)))
+    step = tuple(x.detach().clone().contiguous() for x in outs[1:])
+    with torch.no_grad():
+        mamba3_mimo_step(**step_arguments({n: (x.detach() if isinstance(x, torch.Tensor)
+                                               else x) for n, x in args.items()}, 0),
+                         state=step)
+    flat = operator_inputs(Shape(1, s.B * s.S, s.H, s.G, s.N, s.P, s.R, s.C,
+                                 s.rotary_dim_divisor), torch.bfloat16, device=device, seed=6)
+    for x in flat.values():
+        if isinstance(x, torch.Tensor):
+            x.requires_grad_(True)
+    total = s.B * s.S
+    cuts = sorted({0, min(1, total), min(1 + s.C // 2, total), total})
+    cu = torch.tensor(cuts, dtype=torch.int32, device=device)
+    _backward(mamba3_mimo(**flat, return_state=True, cu_seqlens=cu))
 
 
 def shapes_for(dtype: torch.dtype, shape_filter: str = "") -> list:
@@ -32,7 +74,7 @@ def shapes_for(dtype: torch.dtype, shape_filter: str = "") -> list:
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in DTYPES:
-        raise SystemExit(f"usage: {sys.argv[0]} {{bf16|fp16|fp32}} [filter] [repeats]")
+        raise SystemExit(f"usage: {sys.argv[0]} {{bf16|fp16|fp32|operator}} [filter] [repeats]")
     dtype = DTYPES[sys.argv[1]]
     shape_filter = sys.argv[2] if len(sys.argv) > 2 else ""
     repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 1
@@ -46,6 +88,13 @@ def main() -> None:
     # (with an fp32 output they are one tensor)
     outputs = (torch.bfloat16, torch.float32) if dtype == torch.bfloat16 else (torch.float32,)
     for s in shapes:
+        if sys.argv[1] == "operator":
+            for _ in range(repeats):
+                operator_calls(s, device)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            print(sys.argv[1], s, "done", flush=True)
+            continue
         a = make_inputs(s, dtype, device=device, seed=5)
         a.pop("adt")
         for _ in range(repeats):
