@@ -455,6 +455,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def grad_leaves(args: dict) -> list:
+    """The tensors among a call's keyword arguments, each made a leaf that requires grad."""
+    return [x.requires_grad_(True) for x in args.values() if isinstance(x, torch.Tensor)]
+
+
 def require_gpu(prog: str) -> None:
     """SystemExit unless a CUDA GPU runs compiled Triton kernels: timings come from the GPU."""
     if not torch.cuda.is_available() or interpreter_active():

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .bench import _fmt, arg_parser, bar_plot, md_table, require_gpu, run_meta, write_results
+from .bench import (_fmt, arg_parser, bar_plot, grad_leaves, md_table, require_gpu, run_meta,
+                    write_results)
+from .inputs import operator_inputs
 from .phases.context_parallel import FIELDS, entering_state, flatten, unflatten
 from .phases.operator import mamba3_mimo
 from .problem import Shape
@@ -40,31 +42,11 @@ COMBINE_ITERATIONS = 20
 
 
 def slice_inputs(shape: Shape, S: int, device, seed: int) -> Dict[str, object]:
-    """A rank's slice of S steps as `mamba3_mimo` takes it (bf16 sequence inputs, fp32 weights
-    and decays as inputs.operator_inputs draws them), drawn on the device: every differentiable
-    tensor a leaf that requires grad."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    H, R, N, P, G = shape.H, shape.R, shape.N, shape.P, shape.G
-    bf16, f32 = dict(device=device, dtype=torch.bfloat16), dict(device=device,
-                                                                 dtype=torch.float32)
-
-    def randn(*size, kw=f32):
-        return torch.randn(*size, generator=gen, **kw)
-
-    DT = torch.nn.functional.softplus(-3.0 + randn(1, H, S))
-    args = dict(Q=randn(1, S, R, G, N, kw=bf16), K=randn(1, S, R, G, N, kw=bf16),
-                V=randn(1, S, H, P, kw=bf16),
-                ADT=-DT * torch.rand(1, H, S, generator=gen, **f32), DT=DT,
-                Trap=torch.rand(1, H, S, generator=gen, **f32).to(torch.bfloat16),
-                Q_bias=randn(H, R, N), K_bias=randn(H, R, N), MIMO_V=randn(H, R, P) / R,
-                MIMO_Z=randn(H, R, P), MIMO_Out=randn(H, R, P) / R,
-                Angles=torch.rand(1, S, H, shape.RD, generator=gen, **f32), D=randn(H),
-                Z=randn(1, S, H, P, kw=bf16), chunk_size=shape.C,
-                rotary_dim_divisor=shape.rotary_dim_divisor, dtype=torch.bfloat16)
-    for x in args.values():
-        if isinstance(x, torch.Tensor):
-            x.requires_grad_(True)
-    return args
+    """A rank's slice of S steps as `mamba3_mimo` takes it (inputs.operator_inputs, bf16, drawn
+    on the device)."""
+    return operator_inputs(Shape(1, S, shape.H, shape.G, shape.N, shape.P, shape.R, shape.C,
+                                 shape.rotary_dim_divisor), torch.bfloat16, device=device,
+                           seed=seed, drawn_on_device=True)
 
 
 def _sync(device) -> None:
@@ -100,7 +82,7 @@ def step_case(shape: Shape, total: int, rank: int, world: int, device,
     Every rank returns the same row."""
     S = total // world if rank < world - 1 else total - (world - 1) * (total // world)
     args = slice_inputs(shape, S, device, seed=rank)
-    leaves = [x for x in args.values() if isinstance(x, torch.Tensor)]
+    leaves = grad_leaves(args)
     dout = torch.randn(args["V"].shape, device=device, dtype=torch.bfloat16)
     group = dist.group.WORLD if world > 1 else None
 

@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .bench import (_attempt, _fmt, arg_parser, bar_plot, first_call_s, geomean, md_table,
-                    peak_extra_mib, progress, require_gpu, run_meta, write_results)
+from .bench import (_attempt, _fmt, arg_parser, bar_plot, first_call_s, geomean, grad_leaves,
+                    md_table, peak_extra_mib, progress, require_gpu, run_meta, write_results)
 from .inputs import operator_inputs
 from .phases.operator import mamba3_mimo
 from .problem import Shape, official_shapes
@@ -49,11 +49,7 @@ def operator_case(shape: Shape, z: bool, norm: bool = False, device="cuda", seed
     `shape` (inputs.operator_inputs, every tensor a leaf that requires grad), the Z gate on or
     off, the fused norm with a weight of ones or not, and a random output gradient."""
     args = operator_inputs(shape, torch.bfloat16, z_gate=z, device=device, seed=seed)
-    leaves = []
-    for name, x in args.items():
-        if isinstance(x, torch.Tensor):
-            args[name] = x.requires_grad_(True)
-            leaves.append(x)
+    leaves = grad_leaves(args)
     if norm:
         args["fuse_pregate_headwise_rms_norm"] = True
         args["outproj_norm_weight"] = torch.ones(shape.H, shape.P, device=device,

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .bench import _fmt, arg_parser, bar_plot, md_table, progress, require_gpu, run_meta
-from .bench import write_results
+from .bench import grad_leaves, write_results
 from .inputs import operator_inputs
 from .phases.operator import mamba3_mimo
 from .phases.operator import SEQ_DIM
@@ -43,15 +43,6 @@ def random_lengths(total: int, n: int, seed: int = 0) -> List[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _leaves(args: dict) -> list:
-    leaves = []
-    for x in args.values():
-        if isinstance(x, torch.Tensor):
-            x.requires_grad_(True)
-            leaves.append(x)
-    return leaves
-
-
 def _median(fn: Callable[[], object], rounds: int, rep_ms: int, leaves=None) -> float:
     from triton.testing import do_bench
     return statistics.median(do_bench(fn, rep=rep_ms, grad_to_none=leaves, return_mode="median")
@@ -70,7 +61,7 @@ def packed_case(shape: Shape, rounds: int, rep_ms: int) -> dict:
                       device="cuda")
     row = dict(kind="packed", shape=shape.name, total_steps=total, lengths=lengths)
     for name, args, extra in (("dense", dense, {}), ("packed", packed, dict(cu_seqlens=cu))):
-        leaves = _leaves(args)
+        leaves = grad_leaves(args)
         dout = torch.randn(args["V"].shape, device="cuda", dtype=torch.bfloat16)
 
         def fwd_bwd(args=args, extra=extra, dout=dout):

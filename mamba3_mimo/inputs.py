@@ -60,20 +60,25 @@ def make_inputs(shape: Shape, dtype: torch.dtype = torch.bfloat16, z_gate: bool 
 
 def operator_inputs(shape: Shape, dtype: torch.dtype = torch.float64, z_gate: bool = True,
                     d_skip: bool = True, mimo_out: bool = True, dt_shift: float = -3.0,
-                    device="cpu", seed: int = 0) -> Dict[str, object]:
+                    device="cpu", seed: int = 0,
+                    drawn_on_device: bool = False) -> Dict[str, object]:
     """Keyword arguments of the whole operator `mamba3_mimo` (SPEC section 6) but the optional
     ones: Q, K, V, Z ~ randn and Trap ~ rand in `dtype`; Q_bias, K_bias ~ randn; MIMO_V,
     MIMO_Out ~ randn / R; MIMO_Z, D ~ randn; Angles ~ rand; DT = softplus(dt_shift + randn);
-    ADT = -DT * rand; the fp32 ones in float64 when dtype is float64 (a reference's inputs)."""
+    ADT = -DT * rand; the fp32 ones in float64 when dtype is float64 (a reference's inputs).
+    Drawn in float64 on the CPU, the same values on every device; with drawn_on_device, in
+    fp32 by a generator on `device` (fast for long sequences; other values)."""
     s = shape
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    draw = dict(device=device, dtype=torch.float32) if drawn_on_device else dict(
+        device="cpu", dtype=torch.float64)
+    gen = torch.Generator(device=draw["device"]).manual_seed(seed)
     real = torch.float64 if dtype == torch.float64 else torch.float32
 
     def randn(*size, dt=real):
-        return torch.randn(*size, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
+        return torch.randn(*size, generator=gen, **draw).to(device=device, dtype=dt)
 
     def rand(*size, dt=real):
-        return torch.rand(*size, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
+        return torch.rand(*size, generator=gen, **draw).to(device=device, dtype=dt)
 
     B, S, H, R, P = s.B, s.S, s.H, s.R, s.P
     DT = torch.nn.functional.softplus(dt_shift + randn(B, H, S))

@@ -43,9 +43,7 @@ def operator_calls(s: Shape, device: str) -> None:
     weight = torch.ones(s.H, s.P, device=device, requires_grad=True)
     _backward([mamba3_mimo(**args, fuse_pregate_headwise_rms_norm=True,
                            outproj_norm_weight=weight)])
-    _backward(final_states(dict(args, initial_state=None, cu_seqlens=None,
-                                fuse_pregate_headwise_rms_norm=False, outproj_norm_weight=None,
-                                outproj_norm_eps=1e-5)))
+    _backward(final_states(**args))
     step = tuple(x.detach().clone().contiguous() for x in outs[1:])
     with torch.no_grad():
         mamba3_mimo_step(**step_arguments({n: (x.detach() if isinstance(x, torch.Tensor)

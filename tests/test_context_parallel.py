@@ -210,11 +210,7 @@ def test_final_states_alone(case):
         return out
 
     ours = leaves(torch.float32, DEVICE)
-    call = dict(ours, initial_state=None, cu_seqlens=None)
-    for name, value in (("fuse_pregate_headwise_rms_norm", False), ("outproj_norm_weight", None),
-                        ("outproj_norm_eps", 1e-5)):
-        call.setdefault(name, value)
-    got = final_states(call)
+    got = final_states(**ours)
     whole = mamba3_mimo(**ours, return_state=True)[1:]
     for g, w in zip(got, whole):
         assert torch.equal(g, w)

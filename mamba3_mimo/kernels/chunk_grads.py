@@ -94,7 +94,7 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
     # forward's fused scan does the same); loaded before the dots, they were waited for by the
     # proxy fence that precedes a wgmma, which waits for every load in flight.
     if NO_DY:
-        log_decay = tl.load(da_cs + row + (lo + n_ch) * C - 1, mask=n_ch > 0, other=0.0)
+        log_decay = _chunk_log_decay(da_cs, row, lo + n_ch - 1, C, n_ch > 0)
     else:
         x1, x2, cs, sn, w, y_in, log_decay = _scan_inputs(
             q_h, cos, sin, terms, dy_bh, gate, da_cs, lo + n_ch - 1, n_ch > 0, t, r, rows, p,
@@ -106,7 +106,7 @@ def state_grad_kernel(q, q_bias, dy, dout, z, mimo_o, mimo_z, terms, cos, sin, d
             decay = tl.exp(log_decay)
             run1 = run1 * decay
             run2 = run2 * decay
-            log_decay = tl.load(da_cs + row + c * C - 1, mask=i + 1 < n_ch, other=0.0)
+            log_decay = _chunk_log_decay(da_cs, row, c - 1, C, i + 1 < n_ch)
         else:
             q1, q2 = rotate_pairs(x1, x2, b1, b2, cs, sn, True)
             d_y = dy_of(y_in, HAS_Z, FAST, GATED)
@@ -144,8 +144,14 @@ def _scan_inputs(q_h, cos, sin, terms, dy_bh, gate, da_cs, c, ok, t, r, rows, p,
     ts = tl.arange(0, TP)
     y_in = dy_loads((dy_bh + s0 * R * H * P, dout_h + s0 * svs, z_h + s0 * svs, mo_h, mz_h),
                     y_row, live, ts, (ts < C) & ok, svs, svp, R, P, p, pm, RP, HAS_Z, GATED)
-    log_decay = tl.load(da_cs + row + s0 + C - 1, mask=ok, other=0.0)
-    return x1, x2, cs, sn, w, y_in, log_decay
+    return x1, x2, cs, sn, w, y_in, _chunk_log_decay(da_cs, row, c, C, ok)
+
+
+@triton.jit
+def _chunk_log_decay(da_cs, row, c, C, ok):
+    """Chunk c's log decay, da_cs at its last step (row: the (b, h) row's first step), or 0
+    unless ok."""
+    return tl.load(da_cs + row + tl.cast(c, tl.int64) * C + C - 1, mask=ok, other=0.0)
 
 
 @triton.jit

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -525,40 +526,25 @@ def call_inputs(opts: dict, tensors: tuple) -> dict:
 
 class Mamba3Mimo(torch.autograd.Function):
     """out (and the final states) from the raw inputs; the backward recomputes what it needs
-    from the inputs, which is all that is saved."""
+    from the inputs, which is all that is saved. opts["with_out"] False: the four final states
+    alone (a slice's summary in context_parallel), with no output stage in the forward and no
+    output gradient in the backward, whose second phase then drops dy's terms (chunk_grads'
+    NO_DY)."""
 
     @staticmethod
     def forward(ctx, pb: Problem, opts: dict, *tensors):
         x = call_inputs(opts, tensors)
-        outs = _forward(pb, x, opts["return_state"])
+        outs = _forward(pb, x, opts["return_state"], opts["with_out"])
         ctx.pb, ctx.opts = pb, opts
         ctx.save_for_backward(*tensors)
         return outs if opts["return_state"] else outs[0]
 
     @staticmethod
-    def backward(ctx, d_out, *d_states):
+    def backward(ctx, *grads):
         x = call_inputs(ctx.opts, ctx.saved_tensors)
+        d_out, d_states = (grads[0], grads[1:]) if ctx.opts["with_out"] else (None, grads)
         with on_device(ctx.pb.device):
             return (None, None) + _backward(ctx.pb, x, d_out, d_states)
-
-
-class Mamba3MimoStates(torch.autograd.Function):
-    """The four final states of a call without its output (a slice's summary in
-    context_parallel): the forward runs no output stage, the backward no output gradient, its
-    second phase without dy's terms (chunk_grads' NO_DY)."""
-
-    @staticmethod
-    def forward(ctx, pb: Problem, opts: dict, *tensors):
-        x = call_inputs(opts, tensors)
-        ctx.pb, ctx.opts = pb, opts
-        ctx.save_for_backward(*tensors)
-        return _forward(pb, x, with_out=False)
-
-    @staticmethod
-    def backward(ctx, *d_states):
-        x = call_inputs(ctx.opts, ctx.saved_tensors)
-        with on_device(ctx.pb.device):
-            return (None, None) + _backward(ctx.pb, x, None, d_states)
 
 
 # ---------------------------------------------------------------------------- torch.compile
@@ -662,7 +648,7 @@ def _backward(pb: Problem, x: dict, d_out: Optional[Tensor], d_states: tuple) ->
     """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one). The
     output stage's gradient and phase 2 run per group of batch entries (configs.backward_group),
     on buffers of one group's size that the groups reuse; the rest runs once. d_out None: a call
-    without its output (Mamba3MimoStates), the gradients from the final states' alone: no output
+    without its output (Mamba3Mimo's with_out), the gradients from the final states' alone: no output
     stage, phase 2 without dy's terms, None for the inputs that reach the output only."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     # a plan built with dout as one of the inputs would bind them from one name
@@ -784,17 +770,18 @@ def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
     m = env["m"]
     B, H, P, R, nc = pb.B, pb.H, pb.P, pb.R, m.nc
     f32 = dict(device=pb.device, dtype=torch.float32)
-    if not tiled_output(x) and not x["no_dy"]:  # after chunk_output's tiles phase 2 recomputes dy
-        env["dy"] = torch.empty(B, m.S_pad, R, H, P, **f32)
-        env["norm_w"] = _norm_weight(pb, x)
-    # the output stage's per-chunk partial sums of the norm weight's, MIMO_Z's and MIMO_Out's
-    # gradients, zero: the groups add theirs (common.store_or_add)
-    if x["fuse_norm"] and not x["no_dy"]:
-        env["part_w"] = torch.zeros(B * H, nc, P, **f32)
-    if pb.has_z and not x["no_dy"]:
-        env["part_z"] = torch.zeros(B * H, nc, R, P, **f32)
-    if x["MIMO_Out"] is not None and not x["no_dy"]:
-        env["part_o"] = torch.zeros(B * H, nc, R, P, **f32)
+    if not x["no_dy"]:  # the output stage's gradient's (none without an output gradient)
+        if not tiled_output(x):  # after chunk_output's tiles, phase 2 recomputes dy
+            env["dy"] = torch.empty(B, m.S_pad, R, H, P, **f32)
+            env["norm_w"] = _norm_weight(pb, x)
+        # the output stage's per-chunk partial sums of the norm weight's, MIMO_Z's and
+        # MIMO_Out's gradients, zero: the groups add theirs
+        if x["fuse_norm"]:
+            env["part_w"] = torch.zeros(B * H, nc, P, **f32)
+        if pb.has_z:
+            env["part_z"] = torch.zeros(B * H, nc, R, P, **f32)
+        if x["MIMO_Out"] is not None:
+            env["part_o"] = torch.zeros(B * H, nc, R, P, **f32)
     env.update(chunk_grads.chunk_buffers(m, pb.device))
     seg = env["segments"]
     env["d_ends"] = None if seg is None else torch.zeros(seg.n_segs, B, H, pb.N, P, **f32)
@@ -929,14 +916,9 @@ def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: 
                        D, Z, outproj_norm_weight, *init, cu_seqlens, chunk_size,
                        rotary_dim_divisor, fuse_norm, float(outproj_norm_eps))
         return outs if return_state else outs[0]
-    pb, cu = validate(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles,
-                      D, Z, chunk_size, rotary_dim_divisor, dtype, cu_seqlens, fuse_norm,
-                      outproj_norm_weight, initial_state)
-    opts = dict(return_state=bool(return_state), fuse_norm=fuse_norm,
-                eps=float(outproj_norm_eps), cu=cu)
-    with on_device(pb.device):
-        return Mamba3Mimo.apply(pb, opts, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V,
-                                MIMO_Z, MIMO_Out, Angles, D, Z, outproj_norm_weight, *init)
+    return _apply((Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+                   outproj_norm_weight), initial_state, chunk_size, rotary_dim_divisor, dtype,
+                  cu_seqlens, fuse_norm, outproj_norm_eps, bool(return_state), True)
 
 
 def _context_parallel(args: dict):
@@ -960,7 +942,7 @@ def _context_parallel(args: dict):
                            initial_state=args["initial_state"])
     return context_parallel.context_parallel(
         lambda init: mamba3_mimo(**plain, return_state=True, initial_state=init),
-        lambda: final_states(dict(plain, initial_state=None)), args, group, return_state)
+        lambda: final_states(**plain), args, group, return_state)
 
 
 # mamba3_mimo's tensor arguments, in TENSOR_ARGS' order but the initial state's
@@ -968,17 +950,26 @@ _CALL_TENSORS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "MIMO_V
                  "MIMO_Out", "Angles", "D", "Z", "outproj_norm_weight")
 
 
-def final_states(args: dict) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The four final states of mamba3_mimo(**args, return_state=True) without its output (args:
-    mamba3_mimo's keyword arguments but return_state and context_parallel_group; eager): the
-    forward runs no output stage and the backward no output gradient (Mamba3MimoStates)."""
-    a = args
-    fuse_norm = bool(a["fuse_pregate_headwise_rms_norm"])
-    pb, cu = validate(*[a[n] for n in _CALL_TENSORS[:14]], a["chunk_size"],
-                      a["rotary_dim_divisor"], a["dtype"], a["cu_seqlens"], fuse_norm,
-                      a["outproj_norm_weight"], a["initial_state"])
-    init = (None,) * 4 if a["initial_state"] is None else tuple(a["initial_state"])
-    opts = dict(return_state=True, fuse_norm=fuse_norm, eps=float(a["outproj_norm_eps"]),
-                cu=cu)
+def _apply(tensors: tuple, initial_state, chunk_size: int, rotary_dim_divisor: int, dtype,
+           cu_seqlens, fuse_norm: bool, eps: float, return_state: bool, with_out: bool):
+    """An eager, checked (validate) call of the autograd Function: mamba3_mimo's tensor
+    arguments in _CALL_TENSORS' order, then its other arguments."""
+    pb, cu = validate(*tensors[:14], chunk_size, rotary_dim_divisor, dtype, cu_seqlens,
+                      fuse_norm, tensors[14], initial_state)
+    init = (None,) * 4 if initial_state is None else tuple(initial_state)
+    opts = dict(return_state=return_state, with_out=with_out, fuse_norm=fuse_norm,
+                eps=float(eps), cu=cu)
     with on_device(pb.device):
-        return Mamba3MimoStates.apply(pb, opts, *[a[n] for n in _CALL_TENSORS], *init)
+        return Mamba3Mimo.apply(pb, opts, *tensors, *init)
+
+
+def final_states(**kwargs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The four final states of mamba3_mimo(**kwargs, return_state=True) without its output
+    (eager; no context_parallel_group): the forward runs no output stage and the backward no
+    output gradient (Mamba3Mimo's with_out)."""
+    bound = inspect.signature(mamba3_mimo).bind(**kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    return _apply(tuple(a[n] for n in _CALL_TENSORS), a["initial_state"], a["chunk_size"],
+                  a["rotary_dim_divisor"], a["dtype"], a["cu_seqlens"],
+                  bool(a["fuse_pregate_headwise_rms_norm"]), a["outproj_norm_eps"], True, False)
