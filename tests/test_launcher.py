@@ -426,6 +426,30 @@ def test_group_follows_direct_hooks_and_interpreter(fn, monkeypatch):
     assert paths(fn) == ["triton"] * 2 + ["getitem"] * 6
 
 
+def test_plan_replays_with_addresses(fn):
+    """A call plan's first call launches through Triton with the call's tensors; once its
+    group's kernels are kept, a call launches them directly with each tensor's address as an
+    int (the bound tensors' and the constant's, which the compiled launcher takes as they are),
+    every other argument as bound."""
+    from mamba3_mimo.runtime.plans import CallPlan
+    constant = torch.zeros(4)
+    env = dict(x=BUF[:32], y=BUF[64:96])
+    by_name = lambda **over: dict(zip(TOY.arg_names, toy_args(**over)))  # noqa: E731
+    plan = CallPlan.build(None, [Launch(fn, (3,), by_name(x=env["x"], y=constant), {}),
+                                 Launch(fn, (2,), by_name(**env), dict(num_warps=8))],
+                          env, constant)
+    plan.launch(env)
+    other = dict(x=BUF[128:160], y=BUF[192:224])
+    plan.launch(other)
+    assert paths(fn) == ["triton", "triton", "direct", "direct"]
+    first, second = fn.log[2][1][9:], fn.log[3][1][9:]
+    assert first[:2] == (other["x"].data_ptr(), constant.data_ptr())
+    assert second[:2] == (other["x"].data_ptr(), other["y"].data_ptr())
+    assert first[2:] == second[2:] == toy_args()[2:]
+    plan.launch(dict(x=BUF[1:33], y=BUF[64:96]))  # misaligned: a new key, Triton's path
+    assert paths(fn)[4:] == ["triton", "triton"]
+
+
 # ---------------------------------------------------------------------------- against Triton
 
 BF16 = torch.bfloat16

@@ -316,25 +316,42 @@ class BoundGroup:
         self.kernels: Dict[tuple, tuple] = {}
 
     def __call__(self, arg_lists: list, tensors: list) -> None:
-        bounds = self.bounds
-        if any(not b.layout or _through_triton(b.fn) for b in bounds):
-            for b, args in zip(bounds, arg_lists):
+        kernels = self.kept(tensors)
+        if kernels is not None:
+            self.run_kept(kernels, arg_lists)
+            return
+        if any(not b.layout or _through_triton(b.fn) for b in self.bounds):
+            for b, args in zip(self.bounds, arg_lists):
                 b(args)
             return
-        device = driver.active.get_current_device()
-        key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-               _tensor_key(tensors))
-        kernels = self.kernels.get(key)
-        if kernels is None:
-            kernels = tuple([b(args) for b, args in zip(bounds, arg_lists)])
-            if all(k is not None for k in kernels):
-                if len(self.kernels) >= MAX_KEPT:
-                    self.kernels.clear()
-                self.kernels[key] = kernels
-            return
-        stream = driver.active.get_current_stream(device)
-        for b, kernel, args in zip(bounds, kernels, arg_lists):
+        key = self._key(tensors)
+        kernels = tuple([b(args) for b, args in zip(self.bounds, arg_lists)])
+        if all(k is not None for k in kernels):
+            if len(self.kernels) >= MAX_KEPT:
+                self.kernels.clear()
+            self.kernels[key] = kernels
+
+    def kept(self, tensors: list) -> Optional[tuple]:
+        """The group's compiled kernels for these tensors when every launch may be direct and
+        they were kept by an earlier call (run_kept launches them), else None: the call then
+        goes through __call__'s bound launches."""
+        if not self.kernels or any(not b.layout or _through_triton(b.fn) for b in self.bounds):
+            return None
+        return self.kernels.get(self._key(tensors))
+
+    def run_kept(self, kernels: tuple, arg_lists: list) -> None:
+        """Launch `kernels` (from kept) with these argument lists, in which a pointer argument
+        may be a tensor or its address as an int: the compiled launcher reads an int as the
+        address itself, without calling data_ptr() and asking CUDA for the pointer's
+        attributes, as it does for every tensor at every launch."""
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        for b, kernel, args in zip(self.bounds, kernels, arg_lists):
             _run_kept(kernel, b.grid, stream, args)
+
+    @staticmethod
+    def _key(tensors: list) -> tuple:
+        return (driver.active.get_current_device(), knobs.runtime.debug,
+                knobs.compilation.instrumentation_mode, _tensor_key(tensors))
 
 
 def kept_kernel(fn: Any, args: tuple, **options: Any) -> Any:

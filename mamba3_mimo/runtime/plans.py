@@ -17,6 +17,7 @@ from .. import configs
 from .launcher import BoundGroup, BoundLaunch, Launch
 
 Value = TypeVar("Value")
+_data_ptr = torch.Tensor.data_ptr
 
 # Past this many entries a plan cache is cleared (each signature costs one plan build to refill).
 MAX_CALL_PLANS = 1024
@@ -58,12 +59,15 @@ class CallPlan:
     """The launches of one call signature: `group` holds the kernels with their grids, options
     and fixed arguments; `slots[i]` says, for launch i, which argument positions take which
     named tensor at every call; `names` lists every name bound; `layout` is the phase's
-    description of the outputs and scratch to allocate per call."""
+    description of the outputs and scratch to allocate per call. `addresses` are the templates
+    with the constant's address in its place, for launches of kept kernels, which take every
+    tensor as its address (BoundGroup.run_kept)."""
     layout: Any
     group: BoundGroup
     templates: tuple
     slots: tuple
     names: tuple
+    addresses: tuple
 
     @staticmethod
     def build(layout: Any, launches: List[Launch], env: Dict[str, Any],
@@ -94,15 +98,29 @@ class CallPlan:
             bounds.append(BoundLaunch(launch.fn, launch.grid, args, launch.options))
             templates.append(tuple(template))
             slots.append(tuple(slot))
+        at = constant.data_ptr()
+        addresses = tuple([tuple([at if x is constant else x for x in template])
+                           for template in templates])
         return CallPlan(layout, BoundGroup(tuple(bounds)), tuple(templates), tuple(slots),
-                        tuple(bound_names))
+                        tuple(bound_names), addresses)
 
     def launch(self, env: Dict[str, Any]) -> None:
-        """Launch every kernel with the tensors of env (by name)."""
+        """Launch every kernel with the tensors of env (by name): once the group's kernels are
+        kept, with the tensors' addresses (BoundGroup.run_kept)."""
+        tensors = [env[name] for name in self.names]
+        kernels = self.group.kept(tensors)
+        if kernels is None:
+            self.group(self._bind(self.templates, env), tensors)
+        else:
+            at = dict(zip(self.names, map(_data_ptr, tensors)))
+            self.group.run_kept(kernels, self._bind(self.addresses, at))
+
+    def _bind(self, templates: tuple, values: Dict[str, Any]) -> list:
+        """The argument lists of the templates with each slot's value by name."""
         arg_lists = []
-        for template, slot in zip(self.templates, self.slots):
+        for template, slot in zip(templates, self.slots):
             args = list(template)
             for i, name in slot:
-                args[i] = env[name]
+                args[i] = values[name]
             arg_lists.append(tuple(args))
-        self.group(arg_lists, [env[name] for name in self.names])
+        return arg_lists
