@@ -21,6 +21,7 @@ Each chunk kernel holds the chunk's (step, rank) rows (row = t * RP + r, as in c
 one pair block or one P block of the rest at a time; splitting the gradients this way keeps the
 largest live tiles to about three [rows, rows] or [rows, block] fp32 tiles per program.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -522,9 +523,12 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
 def _blocks(consts, device, gated: bool = False) -> Tuple[GradsConfig, int]:
     """(the config with its blocks clamped to N and P, every dot dimension at least 16; the
     count of chunk_grads_qk's pair blocks, which `gated` does not change)."""
-    m = consts
-    N, P = m.N, m.P
-    cfg = config(N, P, configs.measured_arch(device), gated)
+    return _clamped(consts.N, consts.P, configs.measured_arch(device), gated)
+
+
+@functools.lru_cache(maxsize=None)
+def _clamped(N: int, P: int, measured: bool, gated: bool) -> Tuple[GradsConfig, int]:
+    cfg = config(N, P, measured, gated)
     pairs = lambda want: max(16, min(want, next_pow2(N // 2)))  # noqa: E731
     columns = lambda want: max(16, min(want, next_pow2(P)))  # noqa: E731
     cfg = GradsConfig(BJ=pairs(cfg.BJ), BP=columns(cfg.BP), V_BJ=pairs(cfg.V_BJ),
@@ -532,6 +536,9 @@ def _blocks(consts, device, gated: bool = False) -> Tuple[GradsConfig, int]:
                       STATE_BP=columns(cfg.STATE_BP), QK_WARPS=cfg.QK_WARPS,
                       V_WARPS=cfg.V_WARPS, QK_MAXNREG=cfg.QK_MAXNREG)
     return cfg, cdiv(N // 2, cfg.BJ)
+
+
+configs.register_cache(_clamped.cache_clear)
 
 
 def buffers(consts, device, d_final_state=None) -> dict:

@@ -684,22 +684,25 @@ def _backward(pb: Problem, x: dict, d_out: Optional[Tensor], d_states: tuple) ->
     if not tiled_output(x) and not x["no_dy"]:
         entry_bytes += 4 * S_pad * R * H * P
     group = configs.backward_group(B, entry_bytes)
-    # every group's rows of the tensors with a batch axis, one split each
-    split = (lambda t: (t,)) if group >= B else (lambda t: t.split(group))  # noqa: E731
+    # every group's rows of the tensors with a batch axis, one split each (split_with_sizes:
+    # half the host time of split)
+    sizes = [group] * (B // group) + ([B % group] if B % group else [])
+    split = (lambda t: (t,)) if group >= B else (lambda t: t.split_with_sizes(sizes))  # noqa: E731
     rows = {name: split(t) for name, t in dict(inputs, **steps, dout=dout,
                                                 d_final=d_final).items()
             if t is not None and (name not in inputs or name in _BATCH_INPUTS)}
-    buffers, sums, angle, d_entering = None, [], [], []
-    for i in range(len(rows["Q"])):
-        gpb = dataclasses.replace(lpb, B=len(rows["Q"][i]))
-        if buffers is None or buffers["m"].B != gpb.B:
-            if buffers is not None:  # a last, smaller group: the larger groups' sums first
+    gpb, buffers, key, sums, angle, d_entering = None, None, None, [], [], []
+    for i, n in enumerate(sizes):
+        if gpb is None or gpb.B != n:  # the first group, or a last, smaller one
+            if buffers is not None:  # the larger groups' sums first
                 sums.append(_parameter_sums(x, buffers))
-            buffers = None  # released before the next group's are allocated
+            buffers = key = None  # released before the next group's are allocated
+            gpb = dataclasses.replace(lpb, B=n)
             buffers = _group_buffers(gpb, x, pk)
         env = dict(buffers, **inputs)
         env.update({name: t[i] for name, t in rows.items()})
-        part = _group_grads(gpb, x, pk, env, env.pop("d_final", None), d_ends, d_k is not None)
+        part, key = _group_grads(gpb, x, pk, env, env.pop("d_final", None), d_ends,
+                                 d_k is not None, key)
         angle.append(part["angle"])
         d_entering.append(part["d_entering"])
     sums.append(_parameter_sums(x, buffers))
@@ -789,14 +792,17 @@ def _group_buffers(pb: Problem, x: dict, pk: Optional[Packing]) -> dict:
 
 
 def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
-                 d_final: Optional[Tensor], d_ends: Optional[Tensor], with_angle: bool) -> dict:
+                 d_final: Optional[Tensor], d_ends: Optional[Tensor], with_angle: bool,
+                 key: Optional[PlanKey] = None) -> Tuple[dict, Optional[PlanKey]]:
     """The output stage's gradient and phase 2 for one group of batch entries, as one launch
     group (pb: its Problem in the kernels' layout; x: the call's flags; env: _group_buffers',
     the group's rows of kernel_inputs', of dout and of the gradients with a step axis, which it
     writes; d_final: its rows of the final states' gradient, d_ends: a packed call's per
     sequence); the kernels add its share to the parameters' per-chunk partial sums. Returns its
     rows of the last step's running angle ("angle", with_angle) and of the gradient of the
-    state entering the first chunk ("d_entering", with an initial state)."""
+    state entering the first chunk ("d_entering", with an initial state), with the key of its
+    launch group's plan, which the groups of the same size share (given as `key`: not built
+    again)."""
     B, H, N, P, nc = pb.B, pb.H, pb.N, pb.P, env["m"].nc
     # the reverse scan starts from the final states' gradient (zero in the buffers as made);
     # over segments, from each sequence's in its last segment
@@ -809,8 +815,9 @@ def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
         src = d_ends if pk is not None else d_final.reshape(1, B, H, N, P)
         env["d_ends"].view(seg.n_segs, -1).index_copy_(0, seg.ends, src.reshape(len(src), -1))
     tiled = tiled_output(x)
-    launch_all(plan_key("backward", pb, x, env, tiled, x["fuse_norm"], x["eps"], x["no_dy"]),
-               env, lambda: _group_launches(pb, x, env, tiled), pb.device)
+    if key is None:
+        key = plan_key("backward", pb, x, env, tiled, x["fuse_norm"], x["eps"], x["no_dy"])
+    launch_all(key, env, lambda: _group_launches(pb, x, env, tiled), pb.device)
     # of the running angles only the last step's is read below (the kernels read cos and sin)
     out = dict(angle=_last_rows(env["angles"], pk, pb.S).clone() if with_angle else None,
                d_entering=None)
@@ -819,7 +826,7 @@ def _group_grads(pb: Problem, x: dict, pk: Optional[Packing], env: dict,
         dstates = env["dstates"]
         out["d_entering"] = (dstates[:, :, 0].clone() if pk is None else
                              dstates[0].index_select(1, pk.firsts // pk.C).transpose(0, 1))
-    return out
+    return out, key
 
 
 def _parameter_sums(x: dict, env: dict) -> dict:

@@ -48,12 +48,13 @@ _dtype = attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _tensor_key(tensors: tuple) -> tuple:
+def _tensor_key(tensors: tuple, addresses: Optional[list] = None) -> tuple:
     """What selects a compiled kernel among tensors: their dtypes, and whether each address is
     16-byte aligned (never the tensors themselves: a table keyed by them would keep their memory
-    alive)."""
-    return (tuple(map(_dtype, tensors)),
-            tuple(map(not_, map(and_, map(_data_ptr, tensors), repeat(15)))))
+    alive). `addresses`: the tensors' data_ptr(), where the caller has them."""
+    if addresses is None:
+        addresses = map(_data_ptr, tensors)
+    return tuple(map(_dtype, tensors)), tuple(map(not_, map(and_, addresses, repeat(15))))
 
 
 def _getter(positions: list) -> Callable[[tuple], tuple]:
@@ -182,10 +183,15 @@ def _kernel_info(fn: Any) -> _KernelInfo:
 
 def _hooked(fn: Any) -> bool:
     """True when a hook is registered that Triton's path would call: pre-run hooks of fn, launch
-    hooks, or JIT hooks. A HookChain is active when it holds calls; a hook set to None is not,
-    and one set to a plain callable is."""
+    hooks, or JIT hooks."""
+    return bool(fn.pre_run_hooks) or _hooks_registered()
+
+
+def _hooks_registered() -> bool:
+    """True when a launch or JIT hook is registered (for every kernel). A HookChain is active
+    when it holds calls; a hook set to None is not, and one set to a plain callable is."""
     rt = knobs.runtime
-    return bool(fn.pre_run_hooks or getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
+    return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
                 or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook)
                 or rt.jit_cache_hook is not None or rt.jit_post_compile_hook is not None)
 
@@ -309,18 +315,20 @@ class BoundGroup:
     launched directly, without a key per launch. `tensors` of a call must hold every tensor
     argument of its launches that differs between calls (the plan binds them by name; a tensor
     fixed in every argument list, such as a kept placeholder, may be left out)."""
-    __slots__ = ("bounds", "kernels")
+    __slots__ = ("bounds", "kernels", "keyed", "infos")
 
     def __init__(self, bounds: Tuple[BoundLaunch, ...]):
         self.bounds = bounds
         self.kernels: Dict[tuple, tuple] = {}
+        self.keyed = all(b.layout for b in bounds)
+        self.infos = tuple([_kernel_info(b.fn) for b in bounds])
 
     def __call__(self, arg_lists: list, tensors: list) -> None:
         kernels = self.kept(tensors)
         if kernels is not None:
             self.run_kept(kernels, arg_lists)
             return
-        if any(not b.layout or _through_triton(b.fn) for b in self.bounds):
+        if not self._direct():
             for b, args in zip(self.bounds, arg_lists):
                 b(args)
             return
@@ -331,13 +339,14 @@ class BoundGroup:
                 self.kernels.clear()
             self.kernels[key] = kernels
 
-    def kept(self, tensors: list) -> Optional[tuple]:
-        """The group's compiled kernels for these tensors when every launch may be direct and
-        they were kept by an earlier call (run_kept launches them), else None: the call then
-        goes through __call__'s bound launches."""
-        if not self.kernels or any(not b.layout or _through_triton(b.fn) for b in self.bounds):
+    def kept(self, tensors: list, addresses: Optional[list] = None) -> Optional[tuple]:
+        """The group's compiled kernels for these tensors (whose data_ptr() are `addresses`,
+        where the caller has them) when every launch may be direct and they were kept by an
+        earlier call (run_kept launches them), else None: the call then goes through
+        __call__'s bound launches."""
+        if not self.kernels or not self._direct():
             return None
-        return self.kernels.get(self._key(tensors))
+        return self.kernels.get(self._key(tensors, addresses))
 
     def run_kept(self, kernels: tuple, arg_lists: list) -> None:
         """Launch `kernels` (from kept) with these argument lists, in which a pointer argument
@@ -348,10 +357,17 @@ class BoundGroup:
         for b, kernel, args in zip(self.bounds, kernels, arg_lists):
             _run_kept(kernel, b.grid, stream, args)
 
+    def _direct(self) -> bool:
+        """Whether every launch may skip Triton's path (_through_triton of each kernel, with the
+        global hooks checked once)."""
+        return (DIRECT and self.keyed and not any([i.interpreted for i in self.infos])
+                and not any([b.fn.pre_run_hooks for b in self.bounds])
+                and not _hooks_registered())
+
     @staticmethod
-    def _key(tensors: list) -> tuple:
+    def _key(tensors: list, addresses: Optional[list] = None) -> tuple:
         return (driver.active.get_current_device(), knobs.runtime.debug,
-                knobs.compilation.instrumentation_mode, _tensor_key(tensors))
+                knobs.compilation.instrumentation_mode, _tensor_key(tensors, addresses))
 
 
 def kept_kernel(fn: Any, args: tuple, **options: Any) -> Any:

@@ -61,13 +61,15 @@ class CallPlan:
     named tensor at every call; `names` lists every name bound; `layout` is the phase's
     description of the outputs and scratch to allocate per call. `addresses` are the templates
     with the constant's address in its place, for launches of kept kernels, which take every
-    tensor as its address (BoundGroup.run_kept)."""
+    tensor as its address (BoundGroup.run_kept); `positions` are the slots with each name's
+    index in `names`."""
     layout: Any
     group: BoundGroup
     templates: tuple
     slots: tuple
     names: tuple
     addresses: tuple
+    positions: tuple
 
     @staticmethod
     def build(layout: Any, launches: List[Launch], env: Dict[str, Any],
@@ -94,33 +96,36 @@ class CallPlan:
                             "tensor that is neither an input nor an output of the call")
                     template[i] = None
                     slot.append((i, names[id(x)]))
-                    bound_names[names[id(x)]] = None
+                    bound_names.setdefault(names[id(x)], len(bound_names))
             bounds.append(BoundLaunch(launch.fn, launch.grid, args, launch.options))
             templates.append(tuple(template))
             slots.append(tuple(slot))
         at = constant.data_ptr()
         addresses = tuple([tuple([at if x is constant else x for x in template])
                            for template in templates])
+        positions = tuple([tuple([(i, bound_names[name]) for i, name in slot])
+                           for slot in slots])
         return CallPlan(layout, BoundGroup(tuple(bounds)), tuple(templates), tuple(slots),
-                        tuple(bound_names), addresses)
+                        tuple(bound_names), addresses, positions)
 
     def launch(self, env: Dict[str, Any]) -> None:
         """Launch every kernel with the tensors of env (by name): once the group's kernels are
         kept, with the tensors' addresses (BoundGroup.run_kept)."""
         tensors = [env[name] for name in self.names]
-        kernels = self.group.kept(tensors)
+        addresses = list(map(_data_ptr, tensors))
+        kernels = self.group.kept(tensors, addresses)
         if kernels is None:
-            self.group(self._bind(self.templates, env), tensors)
+            self.group(self._bind(self.templates, tensors), tensors)
         else:
-            at = dict(zip(self.names, map(_data_ptr, tensors)))
-            self.group.run_kept(kernels, self._bind(self.addresses, at))
+            self.group.run_kept(kernels, self._bind(self.addresses, addresses))
 
-    def _bind(self, templates: tuple, values: Dict[str, Any]) -> list:
-        """The argument lists of the templates with each slot's value by name."""
+    def _bind(self, templates: tuple, values: list) -> list:
+        """The argument lists of the templates with the value of each slot's name (values in
+        the order of `names`)."""
         arg_lists = []
-        for template, slot in zip(templates, self.slots):
+        for template, position in zip(templates, self.positions):
             args = list(template)
-            for i, name in slot:
-                args[i] = values[name]
+            for i, k in position:
+                args[i] = values[k]
             arg_lists.append(tuple(args))
         return arg_lists
