@@ -33,6 +33,9 @@ VARIANTS_JSON: a list of objects with a "name" and any of
 - "direct": false sends every production launch through Triton's JITFunction.run instead of
   the launcher's direct launches (runtime.launcher.DIRECT), e.g.
   [{"name": "triton", "direct": false}, {"name": "direct"}];
+- "addresses": false has the call plans' direct launches pass their tensors rather than
+  their addresses (runtime.plans.ADDRESSES), e.g. [{"name": "base"}, {"name": "tensors",
+  "addresses": false, "check": false}];
 - "check": false skips the error sweep for a variant whose arithmetic is the baseline's (a
   launch path, a prefetch), which saves most of its first round;
 - "patch": "path/to.patch" runs the variant on a copy of the package with that patch applied
@@ -57,7 +60,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCALAR_RULES = ("tile_chunks", "scan_sync", "measured_arch", "smem_limit", "dependent_launches",
                 "backward_group", "angle_parts")
 LIST_RULES = ("state", "output")
-KEYS = ({"name", "direct", "check", "patch", "grads_cfg"} | set(SCALAR_RULES) | set(LIST_RULES)
+KEYS = ({"name", "direct", "addresses", "check", "patch", "grads_cfg"} | set(SCALAR_RULES) | set(LIST_RULES)
         | {f"{k}_{s}" for k in LIST_RULES for s in ("cfg", "min")})
 
 
@@ -182,12 +185,14 @@ def measure(variant: dict, shape_filter: str, check: bool) -> dict:
     from mamba3_mimo.problem import Problem
     from mamba3_mimo.inputs import Shape, make_inputs, official_shapes, sweep_shapes
     from mamba3_mimo.reference import bwd_fwd_reference
-    from mamba3_mimo.runtime import launcher
+    from mamba3_mimo.runtime import launcher, plans
     from mamba3_mimo.testing import OUTPUTS, THRESHOLDS, rel_rms
 
     check_variant(variant)
     if "direct" in variant:
         launcher.DIRECT = bool(variant["direct"])
+    if "addresses" in variant:
+        plans.ADDRESSES = bool(variant["addresses"])
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"  # cpu: a dry run in the interpreter
     log = launched_kernels() if gpu else []

@@ -426,11 +426,12 @@ def test_group_follows_direct_hooks_and_interpreter(fn, monkeypatch):
     assert paths(fn) == ["triton"] * 2 + ["getitem"] * 6
 
 
-def test_plan_replays_with_addresses(fn):
+def test_plan_replays_with_addresses(fn, monkeypatch):
     """A call plan's first call launches through Triton with the call's tensors; once its
     group's kernels are kept, a call launches them directly with each tensor's address as an
     int (the bound tensors' and the constant's, which the compiled launcher takes as they are),
     every other argument as bound."""
+    from mamba3_mimo.runtime import plans
     from mamba3_mimo.runtime.plans import CallPlan
     constant = torch.zeros(4)
     env = dict(x=BUF[:32], y=BUF[64:96])
@@ -448,6 +449,10 @@ def test_plan_replays_with_addresses(fn):
     assert first[2:] == second[2:] == toy_args()[2:]
     plan.launch(dict(x=BUF[1:33], y=BUF[64:96]))  # misaligned: a new key, Triton's path
     assert paths(fn)[4:] == ["triton", "triton"]
+    monkeypatch.setattr(plans, "ADDRESSES", False)  # the A/B switch: the tensors themselves
+    plan.launch(other)
+    assert paths(fn)[6:] == ["direct", "direct"]
+    assert same(fn.log[6][1][9:11], (other["x"], constant))
 
 
 # ---------------------------------------------------------------------------- against Triton

@@ -22,6 +22,10 @@ _data_ptr = torch.Tensor.data_ptr
 # Past this many entries a plan cache is cleared (each signature costs one plan build to refill).
 MAX_CALL_PLANS = 1024
 
+# False: a plan's direct launches pass its tensors themselves, whose addresses the compiled
+# launcher then asks for at every launch (for A/B runs of the host's time).
+ADDRESSES = True
+
 _placeholders: Dict[torch.device, torch.Tensor] = {}
 
 
@@ -114,7 +118,7 @@ class CallPlan:
         tensors = [env[name] for name in self.names]
         addresses = list(map(_data_ptr, tensors))
         kernels = self.group.kept(tensors, addresses)
-        if kernels is None:
+        if kernels is None or not ADDRESSES:
             self.group(self._bind(self.templates, tensors), tensors)
         else:
             self.group.run_kept(kernels, self._bind(self.addresses, addresses))
