@@ -60,8 +60,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCALAR_RULES = ("tile_chunks", "scan_sync", "measured_arch", "smem_limit", "dependent_launches",
                 "backward_group", "angle_parts")
 LIST_RULES = ("state", "output")
-KEYS = ({"name", "direct", "addresses", "check", "patch", "grads_cfg"} | set(SCALAR_RULES) | set(LIST_RULES)
-        | {f"{k}_{s}" for k in LIST_RULES for s in ("cfg", "min")})
+KEYS = ({"name", "direct", "addresses", "check", "patch", "grads_cfg"} | set(SCALAR_RULES)
+        | set(LIST_RULES) | {f"{k}_{s}" for k in LIST_RULES for s in ("cfg", "min")})
 
 
 def check_variant(variant: dict) -> None:

@@ -567,8 +567,8 @@ def step_buffers(consts, device, dq_dtype: torch.dtype = torch.float32,
 
 def chunk_buffers(consts, device, d_final_state=None) -> dict:
     """The per-chunk outputs of `launches` and their scratch, allocated: the shares of the bias
-    gradients part_qkb [2, B, nc, H, R, N] (q's, then k's), of dPsi (part_psi [B*H, nc, R, P]) and dD
-    (part_d [B*H, nc]), zero, which the launches add to (groups of batch entries run on the
+    gradients part_qkb [2, B, nc, H, R, N] (q's, then k's), of dPsi (part_psi [B*H, nc, R, P])
+    and dD (part_d [B*H, nc]), zero, which the launches add to (groups of batch entries run on the
     same buffers accumulate), dstates
     [B, H, nc + 1, N, P] whose last entry holds d_final_state [B, H, N, P] (zero when None),
     which the reverse scan reads and does not write, and chunk_grads_qk's shares for
@@ -659,5 +659,6 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
         Launch(chunk_grads_v_kernel, (B * H * nc,), dict(
             d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dv=dv, part_psi=part_psi, part_d=part_d,
             d_gamma=d_gamma, d_trap_scale=d_trap_scale, d_adt=d_adt, n_jb=n_jb,
-            NJB=next_pow2(n_jb), PREFETCH=2 if m.OPAQUE else 0, HAS_D=m.HAS_D, BJ=cfg.V_BJ, BP=cfg.V_BP, **inputs),
+            NJB=next_pow2(n_jb), PREFETCH=2 if m.OPAQUE else 0, HAS_D=m.HAS_D, BJ=cfg.V_BJ,
+            BP=cfg.V_BP, **inputs),
             dict(num_warps=cfg.V_WARPS, num_stages=1))]

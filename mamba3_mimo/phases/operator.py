@@ -648,8 +648,8 @@ def _backward(pb: Problem, x: dict, d_out: Optional[Tensor], d_states: tuple) ->
     """The gradients of the tensor inputs, TENSOR_ARGS' order (None for an absent one). The
     output stage's gradient and phase 2 run per group of batch entries (configs.backward_group),
     on buffers of one group's size that the groups reuse; the rest runs once. d_out None: a call
-    without its output (Mamba3Mimo's with_out), the gradients from the final states' alone: no output
-    stage, phase 2 without dy's terms, None for the inputs that reach the output only."""
+    without its output (Mamba3Mimo's with_out), the gradients from the final states' alone: no
+    output stage, phase 2 without dy's terms, None for the inputs that reach the output only."""
     pk, lpb, xl = layout(pb, x, x["cu"])
     # a plan built with dout as one of the inputs would bind them from one name
     x = dict(x, no_dy=d_out is None, aliased=x["aliased"] or (
