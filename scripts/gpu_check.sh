@@ -19,6 +19,12 @@
 # $OUT/context_parallel.log and $OUT/context_parallel/results.*.
 # validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
 # $OUT/san.
+# measure: the operator's open measurements in one call (docs/performance-operator.md, "What
+# comes next", item 6): scripts/host_overhead.py on three shapes, scripts/ab.py
+# (AB_TARGET=operator, one round, MEASURE_SHAPES) over its variants, and ncu's stall reasons of
+# chunk_grads_qk where ncu is found, into $OUT/measure/ (host_overhead.json, ab.json, *.log).
+# MEASURE_PATCHES: patch files (git apply, from the repository root), each one more ab.py
+# variant named after its file, e.g. a commit reverted: git diff C C~1 -- mamba3_mimo > x.patch.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
 # $OUT/bench/results.{json,md,png} (sanitize: $OUT/sanitize_{bf16,fp16,fp32,operator}.log). Nothing is
 # installed: the package runs from the tree (PYTHONPATH), with the machine's python3, torch and
@@ -29,9 +35,9 @@ set -o pipefail
 part="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$part" in
-  tests|bench|all|sanitize|validate|operator|sequences|clients|context_parallel) ;;
+  tests|bench|all|sanitize|validate|operator|sequences|clients|context_parallel|measure) ;;
   *) echo "usage: OUT=DIR $0 [tests|bench|all|sanitize|validate|operator|sequences|clients" \
-          "|context_parallel]" \
+          "|context_parallel|measure]" \
           "[bench options]" >&2
      exit 2 ;;
 esac
@@ -82,6 +88,39 @@ if [ "$part" = context_parallel ]; then
   tests_then_bench context_parallel "^(cp|test_)" 1500 tests/test_context_parallel.py \
     "tests/test_bench.py::test_context_parallel_harness" -- "$@"
   exit $?
+fi
+if [ "$part" = measure ]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  PY="${PYTHON:-python3}" M="$OUT/measure" status=0
+  mkdir -p "$M"
+  for s in N16_P64_R4_C8 N128_P64_R1_C64 N128_P64_R4_C16; do
+    OUT="$M" timeout 60 "$PY" scripts/host_overhead.py "$s" 50 z operator || status=$?
+    mv "$M/host_overhead.json" "$M/host_overhead_$s.json" 2>/dev/null
+  done
+  # no error sweeps (the GPU test suites check each path's numerics): timing only, so that
+  # the whole mode fits one device call (about 9 minutes)
+  variants='[{"name": "base", "check": false},
+    {"name": "no_pdl", "dependent_launches": false, "check": false},
+    {"name": "state_bj32", "grads_cfg": {"STATE_BJ": 32}, "check": false},
+    {"name": "angle_1part", "angle_parts": 1, "check": false},
+    {"name": "qk_128reg", "grads_cfg": {"QK_MAXNREG": 128}, "check": false},
+    {"name": "tensors", "addresses": false, "check": false}'
+  for patch in ${MEASURE_PATCHES:-}; do
+    variants="$variants, {\"name\": \"$(basename "$patch" .patch)\", \"patch\": \"$patch\",
+      \"check\": false}"
+  done
+  OUT="$M" AB_TARGET=operator timeout 360 "$PY" scripts/ab.py "$variants]" \
+    "${MEASURE_SHAPES:-N16_P64_R4_C8,N128_P64_R4_C16,N128_P64_R1_C64}" 1 \
+    > "$M/ab.log" 2>&1 || status=$?
+  tail -30 "$M/ab.log"
+  if command -v ncu > /dev/null; then
+    timeout 150 ncu --clock-control none -k regex:chunk_grads_qk --launch-skip 4 \
+      --launch-count 1 --section WarpStateStats --section SpeedOfLight \
+      --section SourceCounters "$PY" scripts/ncu_driver.py N128_P64_R4_C16 operator \
+      > "$M/ncu_qk.log" 2>&1 || status=$?
+    grep -E "Stall|Warp Cycles|Duration|Issued" "$M/ncu_qk.log" | head -30
+  fi
+  exit "$status"
 fi
 if [ "$part" = validate ]; then
   # the sanitizer's time is mostly compilation on the CPU, so the two share the machine well
