@@ -88,8 +88,8 @@ def _ours(a, dy, d_final, shape, d_skip, gate=None):
     B, H, R = shape.B, shape.H, shape.R
     d_dt, d_trap = _trap_grads(g, padded["dt"], padded["trap"], S)
     out = dict(
-        q=g["dq"][:, :S], k=g["dk"][:, :S], q_bias=g["part_qkb"][0].sum((0, 1)),
-        k_bias=g["part_qkb"][1].sum((0, 1)),
+        q=g["dq"][:, :S], k=g["dk"][:, :S], q_bias=g["part_qb"].sum((0, 1)),
+        k_bias=g["part_kb"].sum((0, 1)),
         v=g["dv"][:, :S], mimo_v=g["part_psi"].view(B, H, -1, R, shape.P).sum((0, 2)),
         angles=g["d_angles"][:, :S],
         dt=d_dt, trap=d_trap,

@@ -177,9 +177,23 @@ def _head_chunk(q, k, v, mimo_v, cos, sin, dy_in, t, r, b, h, c, S_pad, H, HG, R
             steps, y_src, y_row)
 
 
+@triton.jit
+def _bias_share(part, part_off, val, before, part_mask):
+    """val, a head's block of dQ or dK rotated back ([rows, BJ]), returned after storing at
+    part[part_off] `before` (what was there, loaded with the head's other inputs: the groups of
+    batch entries accumulate there, as common.store_or_add does) plus val's sums over the steps
+    ([RP, BJ], the head's share of its bias gradient)."""
+    TPR: tl.constexpr = val.shape[0]
+    BJ: tl.constexpr = val.shape[1]
+    RP: tl.constexpr = part_off.shape[0]
+    tl.store(part + part_off, before + tl.sum(tl.reshape(val, (TPR // RP, RP, BJ)), axis=0),
+             mask=part_mask)
+    return val
+
+
 @triton.jit(do_not_specialize=["S_pad", "n_bg", "n_bh", "nc", "plane", "sqb", "skb", "svb"])
 def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segsum, dy, dout, z,
-                          mimo_o, mimo_z, states, dstates, dq, dk, part_qkb, d_angles,
+                          mimo_o, mimo_z, states, dstates, dq, dk, part_qb, part_kb, d_angles,
                           part_cs, part_carried, S_pad, n_bg, n_bh, nc, plane, H, G, HG, R, C, N,
                           HALF, P, RD, sqb, sqs, sqr, sqg, sqn, skb, sks, skr, skg, skn, svb, svs,
                           svh, svp, TP: tl.constexpr, RP: tl.constexpr, BJ: tl.constexpr,
@@ -191,7 +205,7 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
     group. One (block of pairs, b*g, chunk) per program (the pair blocks fastest, so that the
     programs that read the same dy run together); the group's heads in turn, each with its own
     dP = dY PsiV^T over P in blocks of BP columns. Writes dq, dk [B, S_pad, R, G, N], adds each
-    head's shares of the bias gradients to part_qkb [2, B, nc, H, R, N] (q's, then k's),
+    head's share of the bias gradients to part_qb, part_kb [B, nc, H, R, N] (_bias_share),
     writes d_angles [B, S_pad, H, RD]
     on the block's pairs, and for chunk_grads_v_kernel the block's shares of sum_n Qr dQr's
     inter-chunk term per step (part_cs [n_jb, B*H, S_pad]) and of <dstates[c + 1], states[c]>
@@ -216,7 +230,6 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
     sum_k1 = tl.zeros([ROWS, BJ], dtype=tl.float32)
     sum_k2 = tl.zeros([ROWS, BJ], dtype=tl.float32)
     bm = (rk < R)[:, None] & (j < HALF)[None, :]
-    qkb_plane = (n_bg // G).to(tl.int64) * nc * H * R * N  # part_qkb's k plane
     for hh in range(0, HG):
         h = g * HG + hh
         bh = b * H + h
@@ -263,17 +276,16 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         pairs_in = qk_pair_loads(q_at, qrow, k_at, krow, rows, q_bias, k_bias, bias_off, cos_at,
                                  sin_at, cs_off, j0, HALF, RD, sqn, skn, BJ)
         bias_at = ((b * nc + c) * H + h) * R * N + rk[:, None] * N + j[None, :]
-        # the head's shares of the bias gradients so far, [RP, BJ, half of the pairs, q or k]
-        ax = tl.arange(0, 2)
-        b_ptr = (part_qkb + bias_at[:, :, None, None] + (ax * HALF)[None, None, :, None]
-                 + (ax.to(tl.int64) * qkb_plane)[None, None, None, :])
-        b_mask = tl.broadcast_to(bm[:, :, None, None], b_ptr.shape)
-        shares_before = tl.load(b_ptr, mask=b_mask, other=0.0)
+        sq1 = tl.load(part_qb + bias_at, mask=bm, other=0.0)
+        sq2 = tl.load(part_qb + bias_at + HALF, mask=bm, other=0.0)
+        sk1 = tl.load(part_kb + bias_at, mask=bm, other=0.0)
+        sk2 = tl.load(part_kb + bias_at + HALF, mask=bm, other=0.0)
         gamma, trap_scale, k_decay, q_decay, seg = term_in
         k_decay, q_decay = landed(k_decay, OPAQUE), landed(q_decay, OPAQUE)
         _, w = chunk_weights(gamma, trap_scale, seg, C, TP, OPAQUE)
         cs, sn, q1, q2, k1, k2 = qk_pairs(pairs_in, OPAQUE, False)
-        shares_before = landed(shares_before, OPAQUE)
+        sq1, sq2 = landed(sq1, OPAQUE), landed(sq2, OPAQUE)
+        sk1, sk2 = landed(sk1, OPAQUE), landed(sk2, OPAQUE)
         dq1 = q_decay[:, None] * dq1
         dq2 = q_decay[:, None] * dq2
         tl.store(part_cs + (jb * n_bh + bh) * S_pad + s0 + ts,
@@ -293,20 +305,10 @@ def chunk_grads_qk_kernel(q, k, v, q_bias, k_bias, mimo_v, terms, cos, sin, segs
         tl.store(d_angles + a_at[:, None] + j[None, :], d_ang,
                  mask=steps[:, None] & (j < RD)[None, :])
         # rotated back (the gradients of x + bias), with the head's shares of the bias gradients
-        vq1 = cs * dq1 + sn * dq2
-        vq2 = cs * dq2 - sn * dq1
-        vk1 = cs * dk1 + sn * dk2
-        vk2 = cs * dk2 - sn * dk1
-        sum_q1 += vq1
-        sum_q2 += vq2
-        sum_k1 += vk1
-        sum_k2 += vk2
-        # the head's four shares (q's and k's, each half of the pairs) summed over the steps
-        # side by side: one reduction and one store rather than four (13-15 barriers fewer per
-        # head offline)
-        vals = tl.join(tl.join(vq1, vq2), tl.join(vk1, vk2))
-        tl.store(b_ptr, shares_before + tl.sum(tl.reshape(vals, (TP, RP, BJ, 2, 2)), axis=0),
-                 mask=b_mask)
+        sum_q1 += _bias_share(part_qb, bias_at, cs * dq1 + sn * dq2, sq1, bm)
+        sum_q2 += _bias_share(part_qb, bias_at + HALF, cs * dq2 - sn * dq1, sq2, bm)
+        sum_k1 += _bias_share(part_kb, bias_at, cs * dk1 + sn * dk2, sk1, bm)
+        sum_k2 += _bias_share(part_kb, bias_at + HALF, cs * dk2 - sn * dk1, sk2, bm)
     hm = ((t < C) & (r < R))[:, None] & (j < HALF)[None, :]
     off = n_off[:, None] + j[None, :]
     tl.store(dq + off, sum_q1.to(dq.dtype.element_ty), mask=hm)
@@ -496,7 +498,7 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
                 bounds=None, d_ends=None, gate=None) -> dict:
     """The gradients of raw_y given dy = d raw_y [B, S_pad, R, H, P] fp32, for padded inputs
     (whole chunks of C steps, U = 1) and step_terms' tables: a dict of fp32 tensors dq, dk
-    [B, S_pad, R, G, N], the per-chunk shares of the bias gradients part_qkb [2, B, nc, H, R, N]
+    [B, S_pad, R, G, N], the per-chunk shares of the bias gradients part_qb, part_kb
     [B, nc, H, R, N], dv [B, S_pad, H, P], d_angles
     [B, S_pad, H, RD], d_gamma, d_trap_scale, d_adt [B, H, S_pad], the per-chunk shares of dPsi
     (part_psi [B*H, nc, R, P]) and dD (part_d [B*H, nc]; d given), and dstates
@@ -567,8 +569,8 @@ def step_buffers(consts, device, dq_dtype: torch.dtype = torch.float32,
 
 def chunk_buffers(consts, device, d_final_state=None) -> dict:
     """The per-chunk outputs of `launches` and their scratch, allocated: the shares of the bias
-    gradients part_qkb [2, B, nc, H, R, N] (q's, then k's), of dPsi (part_psi [B*H, nc, R, P])
-    and dD (part_d [B*H, nc]), zero, which the launches add to (groups of batch entries run on the
+    gradients part_qb, part_kb [B, nc, H, R, N], of dPsi (part_psi [B*H, nc, R, P]) and dD
+    (part_d [B*H, nc]), zero, which the launches add to (groups of batch entries run on the
     same buffers accumulate), dstates
     [B, H, nc + 1, N, P] whose last entry holds d_final_state [B, H, N, P] (zero when None),
     which the reverse scan reads and does not write, and chunk_grads_qk's shares for
@@ -584,7 +586,8 @@ def chunk_buffers(consts, device, d_final_state=None) -> dict:
         dstates[:, :, nc].zero_()
     else:
         dstates[:, :, nc] = d_final_state
-    return dict(part_qkb=torch.zeros(2, B, nc, H, R, N, **f32),
+    return dict(part_qb=torch.zeros(B, nc, H, R, N, **f32),
+                part_kb=torch.zeros(B, nc, H, R, N, **f32),
                 part_psi=torch.zeros(B * H, nc, R, P, **f32),
                 part_d=torch.zeros(B * H, nc, **f32), dstates=dstates,
                 part_cs=torch.empty(n_jb, B * H, m.S_pad, **f32),
@@ -593,7 +596,7 @@ def chunk_buffers(consts, device, d_final_state=None) -> dict:
 
 def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_cs_rev, segsum,
              dy, states, consts, precision: str, bounds=None, d_ends=None, segments=None,
-             finals=None, gate=None, no_dy: bool = False, dq, dk, part_qkb, dv,
+             finals=None, gate=None, no_dy: bool = False, dq, dk, part_qb, part_kb, dv,
              part_psi, part_d, d_angles, d_gamma, d_trap_scale, d_adt, dstates, part_cs,
              part_carried) -> list:
     """raw_y_grads' three launches (the reverse scan, chunk_grads_qk, chunk_grads_v) into the
@@ -652,7 +655,7 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
             STATE_OPTIONS),
         *join,
         Launch(chunk_grads_qk_kernel, (n_jb * B * G * nc,), dict(
-            states=states, dq=dq, dk=dk, part_qkb=part_qkb, d_angles=d_angles,
+            states=states, dq=dq, dk=dk, part_qb=part_qb, part_kb=part_kb, d_angles=d_angles,
             n_bg=B * G, G=G, BJ=cfg.BJ, BP=cfg.BP, PREFETCH=2 if m.OPAQUE else 0, **inputs),
             dict(num_warps=cfg.QK_WARPS, num_stages=1,
                  **({} if cfg.QK_MAXNREG is None else dict(maxnreg=cfg.QK_MAXNREG)))),

@@ -834,8 +834,7 @@ def _parameter_sums(x: dict, env: dict) -> dict:
     buffers accumulated, by input name: summed over the entries of a group and the chunks."""
     m = env["m"]
     B, H, R, P, nc = m.B, m.H, m.R, m.P, m.nc
-    q_bias, k_bias = env["part_qkb"].sum((1, 2))
-    sums = dict(Q_bias=q_bias, K_bias=k_bias,
+    sums = dict(Q_bias=env["part_qb"].sum((0, 1)), K_bias=env["part_kb"].sum((0, 1)),
                 MIMO_V=env["part_psi"].view(B, H, nc, R, P).sum((0, 2)))
     for name, part in (("MIMO_Z", "part_z"), ("MIMO_Out", "part_o")):
         if part in env:
@@ -870,8 +869,8 @@ def _group_launches(pb: Problem, x: dict, env: dict, tiled: bool) -> list:
 
 
 # the buffers that phase 2 writes (chunk_grads.launches' outputs and scratch)
-_PHASE_2_BUFFERS = ("dq", "dk", "dv", "d_angles", "d_gamma", "d_trap_scale", "d_adt", "part_qkb",
-                    "part_psi", "part_d", "dstates", "part_cs", "part_carried")
+_PHASE_2_BUFFERS = ("dq", "dk", "dv", "d_angles", "d_gamma", "d_trap_scale", "d_adt", "part_qb",
+                    "part_kb", "part_psi", "part_d", "dstates", "part_cs", "part_carried")
 
 
 def mamba3_mimo(Q: Tensor, K: Tensor, V: Tensor, ADT: Tensor, DT: Tensor, Trap: Tensor,
