@@ -103,7 +103,6 @@ if [ "$part" = measure ]; then
     {"name": "no_pdl", "dependent_launches": false, "check": false},
     {"name": "state_bj32", "grads_cfg": {"STATE_BJ": 32}, "check": false},
     {"name": "angle_1part", "angle_parts": 1, "check": false},
-    {"name": "qk_128reg", "grads_cfg": {"QK_MAXNREG": 128}, "check": false},
     {"name": "tensors", "addresses": false, "check": false}'
   for patch in ${MEASURE_PATCHES:-}; do
     variants="$variants, {\"name\": \"$(basename "$patch" .patch)\", \"patch\": \"$patch\",

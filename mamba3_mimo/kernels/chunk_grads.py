@@ -23,7 +23,7 @@ largest live tiles to about three [rows, rows] or [rows, block] fp32 tiles per p
 """
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import triton
@@ -445,10 +445,7 @@ class GradsConfig:
     """Phase 2's blocks: chunk_grads_qk's BJ pairs of N per program and BP columns of P per step
     of its walk over P; chunk_grads_v's V_BJ pairs per step of its walks over N and V_BP columns
     of P per block; the reverse scan's STATE_BJ pairs and STATE_BP columns per program; the
-    warps of each of the two chunk kernels; QK_MAXNREG, chunk_grads_qk's registers per thread
-    if capped (None: ptxas's choice, 255 on the official grid, one program per SM; 128 lets
-    two 8-warp programs share an SM, for 952 bytes of stack per thread at N128_P64_R4_C16
-    offline, against 192: an experiment, not yet timed)."""
+    warps of each of the two chunk kernels."""
     BJ: int = 16
     BP: int = 32
     V_BJ: int = 16
@@ -457,7 +454,6 @@ class GradsConfig:
     STATE_BP: int = 32
     QK_WARPS: int = 4
     V_WARPS: int = 4
-    QK_MAXNREG: Optional[int] = None
 
 
 # The reverse scan's blocks, measured on the H200 (2026-12-03, 9488e56): 1.80 -> 1.22 ms at
@@ -534,7 +530,7 @@ def _clamped(N: int, P: int, measured: bool, gated: bool) -> Tuple[GradsConfig, 
     cfg = GradsConfig(BJ=pairs(cfg.BJ), BP=columns(cfg.BP), V_BJ=pairs(cfg.V_BJ),
                       V_BP=columns(cfg.V_BP), STATE_BJ=pairs(cfg.STATE_BJ),
                       STATE_BP=columns(cfg.STATE_BP), QK_WARPS=cfg.QK_WARPS,
-                      V_WARPS=cfg.V_WARPS, QK_MAXNREG=cfg.QK_MAXNREG)
+                      V_WARPS=cfg.V_WARPS)
     return cfg, cdiv(N // 2, cfg.BJ)
 
 
@@ -657,8 +653,7 @@ def launches(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, da_c
         Launch(chunk_grads_qk_kernel, (n_jb * B * G * nc,), dict(
             states=states, dq=dq, dk=dk, part_qb=part_qb, part_kb=part_kb, d_angles=d_angles,
             n_bg=B * G, G=G, BJ=cfg.BJ, BP=cfg.BP, PREFETCH=2 if m.OPAQUE else 0, **inputs),
-            dict(num_warps=cfg.QK_WARPS, num_stages=1,
-                 **({} if cfg.QK_MAXNREG is None else dict(maxnreg=cfg.QK_MAXNREG)))),
+            dict(num_warps=cfg.QK_WARPS, num_stages=1)),
         Launch(chunk_grads_v_kernel, (B * H * nc,), dict(
             d=d, da_cs=da_cs, da_cs_rev=da_cs_rev, dv=dv, part_psi=part_psi, part_d=part_d,
             d_gamma=d_gamma, d_trap_scale=d_trap_scale, d_adt=d_adt, n_jb=n_jb,
