@@ -137,9 +137,9 @@ def context_parallel(call: Callable[..., tuple], final_states: Callable[[], Stat
     """mamba3_mimo(...) over a sequence split across the ranks of `group`, rank order =
     sequence order. `call(initial_state)` runs this rank's slice (the operator's keyword `args`,
     return_state=True) from that state; `final_states()` gives the slice's final states alone
-    from zero (no output stage, and a backward without the output's terms: about 0.6 of a
-    forward and 0.3 of a backward). Returns this rank's output, with its slice's final state
-    (the sequence's on the last rank) when return_state."""
+    from zero (no output stage, and a backward without the output's terms: estimated at
+    about 0.6 of a forward and 0.3 of a backward, not timed). Returns this rank's output, with
+    its slice's final state (the sequence's on the last rank) when return_state."""
     rank = dist.get_rank(group)
     first = call(args.get("initial_state")) if rank == 0 else None
     part = summary(first[1:] if rank == 0 else final_states(), args["ADT"], args["DT"],

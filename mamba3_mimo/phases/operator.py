@@ -687,9 +687,8 @@ def _backward(pb: Problem, x: dict, d_out: Optional[Tensor], d_states: tuple) ->
     # every group's rows of the tensors with a batch axis, one split each (split_with_sizes:
     # half the host time of split)
     sizes = [group] * (B // group) + ([B % group] if B % group else [])
-    split = (lambda t: (t,)) if group >= B else (lambda t: t.split_with_sizes(sizes))  # noqa: E731
-    rows = {name: split(t) for name, t in dict(inputs, **steps, dout=dout,
-                                                d_final=d_final).items()
+    rows = {name: (t,) if len(sizes) == 1 else t.split_with_sizes(sizes)
+            for name, t in dict(inputs, **steps, dout=dout, d_final=d_final).items()
             if t is not None and (name not in inputs or name in _BATCH_INPUTS)}
     gpb, buffers, key, sums, angle, d_entering = None, None, None, [], [], []
     for i, n in enumerate(sizes):

@@ -118,10 +118,12 @@ class CallPlan:
         tensors = [env[name] for name in self.names]
         addresses = list(map(_data_ptr, tensors))
         kernels = self.group.kept(tensors, addresses)
-        if kernels is None or not ADDRESSES:
+        if kernels is None:
             self.group(self._bind(self.templates, tensors), tensors)
-        else:
+        elif ADDRESSES:
             self.group.run_kept(kernels, self._bind(self.addresses, addresses))
+        else:
+            self.group.run_kept(kernels, self._bind(self.templates, tensors))
 
     def _bind(self, templates: tuple, values: list) -> list:
         """The argument lists of the templates with the value of each slot's name (values in
