@@ -20,7 +20,8 @@
 # validate: tests and sanitize side by side (about 4 minutes on the H200), sanitize's logs in
 # $OUT/san.
 # measure: the operator's open measurements in one call (docs/performance-operator.md, "What
-# comes next", item 6): scripts/host_overhead.py on three shapes, scripts/ab.py
+# comes next", items 3 and 6): scripts/host_overhead.py on six shapes (the backward's groups of
+# one entry, two and the whole batch: times and peaks), scripts/ab.py
 # (AB_TARGET=operator, one round, MEASURE_SHAPES) over its variants, and ncu's stall reasons of
 # chunk_grads_qk where ncu is found, into $OUT/measure/ (host_overhead.json, ab.json, *.log).
 # MEASURE_PATCHES: patch files (git apply, from the repository root), each one more ab.py
@@ -93,12 +94,12 @@ if [ "$part" = measure ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   PY="${PYTHON:-python3}" M="$OUT/measure" status=0
   mkdir -p "$M"
-  for s in N16_P64_R4_C8 N128_P64_R1_C64 N128_P64_R4_C16; do
-    OUT="$M" timeout 60 "$PY" scripts/host_overhead.py "$s" 50 z operator || status=$?
-    mv "$M/host_overhead.json" "$M/host_overhead_$s.json" 2>/dev/null
-  done
+  OUT="$M" timeout 300 "$PY" scripts/host_overhead.py \
+    N16_P64_R4_C8,N128_P64_R1_C64,N128_P64_R2_C32,N64_P64_R4_C16,N128_P32_R4_C16,N128_P64_R4_C16 \
+    50 z operator || status=$?
   # no error sweeps (the GPU test suites check each path's numerics): timing only, so that
-  # the whole mode fits one device call (267 s on an H100, 2026-12-05)
+  # the whole mode fits one device call (267 s on an H100, 2026-12-05, with host_overhead.py
+  # on three shapes and two groupings; about 400 s predicted with six shapes and three)
   variants='[{"name": "base", "check": false},
     {"name": "no_pdl", "dependent_launches": false, "check": false},
     {"name": "state_bj32", "grads_cfg": {"STATE_BJ": 32}, "check": false},

@@ -15,13 +15,15 @@ allocations on small CPU tensors), for comparing host code changes on a CPU-only
 compiled launchers' own cost and CUDA's allocator are not in it.
 
 With `operator` the same for the whole operator as a user calls it (bench_operator.operator_case:
-the forward, and forward then backward), once with the backward's groups of batch entries as
-the rules choose them and once in one group (configs.backward_group): on a GPU the three times,
-whether the groups' extra launches make a shape wait for the host; on a CPU its Python with the
-kernels stubbed, at B = 4 in groups of one entry and in one group.
+the forward, and forward then backward), the backward's groups of batch entries as the rules
+choose them, of two entries and in one group (configs.backward_group): on a GPU the three times
+and the peak memory of each, whether the groups' extra launches make a shape wait for the host
+and what larger groups would cost in memory; on a CPU its Python with the kernels stubbed, at
+B = 4 in groups of one entry and in one group.
 
 Usage: [OUT=dir] PYTHONPATH=. python3 scripts/host_overhead.py [shape filter] [n] [z|noz]
   [auto|split|operator]
+(filter: substrings of shape names, comma-separated.)
 (noz: without the Z gate; split: the split state pass where the rules would pick the fused
 scan, through configs.override.) Writes $OUT/host_overhead.json when OUT is set.
 """
@@ -63,15 +65,20 @@ def on_gpu(shapes, n: int, z_gate: bool, split: bool) -> list:
 
 
 def operator_on_gpu(shapes, n: int, z_gate: bool) -> list:
+    """The forward, and forward+backward with the backward's groups as the rules choose them,
+    of two entries and of the whole batch, each fwd+bwd row with its peak memory above the
+    inputs and their gradients (bench.peak_extra_mib, MiB)."""
+    from mamba3_mimo.bench import peak_extra_mib
     from mamba3_mimo.bench_operator import operator_case
     rows = []
     for s in shapes:
         fwd, fwd_bwd, _ = operator_case(s, z_gate)
-        for group in (None, s.B):
+        rows.append(_on_gpu(s, fwd, n, f"{s.name} fwd"))
+        for group in dict.fromkeys((None, min(2, s.B), s.B)):
             with configs.override(backward_group=group):
-                for what, f in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-                    name = f"{s.name} {what} groups {'rules' if group is None else group}"
-                    rows.append(_on_gpu(s, f, n, name))
+                name = f"{s.name} fwd+bwd groups {'rules' if group is None else group}"
+                row = _on_gpu(s, fwd_bwd, n, name)
+                rows.append(dict(row, peak_mib=peak_extra_mib(fwd_bwd)))
     return rows
 
 
@@ -170,7 +177,7 @@ def main() -> None:
     mode = sys.argv[4] if len(sys.argv) > 4 else "auto"
     if mode not in ("auto", "split", "operator"):
         raise SystemExit(f"the fourth argument is auto, split or operator, not {mode!r}")
-    shapes = [s for s in official_shapes() if filt in s.name]
+    shapes = [s for s in official_shapes() if any(f in s.name for f in filt.split(","))]
     if not shapes:
         raise SystemExit(f"no official shape matches {filt!r}")
     if mode == "operator":
