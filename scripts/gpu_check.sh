@@ -94,27 +94,25 @@ if [ "$part" = measure ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   PY="${PYTHON:-python3}" M="$OUT/measure" status=0
   mkdir -p "$M"
-  OUT="$M" timeout 300 "$PY" scripts/host_overhead.py \
+  OUT="$M" timeout 180 "$PY" scripts/host_overhead.py \
     N16_P64_R4_C8,N128_P64_R1_C64,N128_P64_R2_C32,N64_P64_R4_C16,N128_P32_R4_C16,N128_P64_R4_C16 \
     50 z operator || status=$?
   # no error sweeps (the GPU test suites check each path's numerics): timing only, so that
   # the whole mode fits one device call (267 s on an H100, 2026-12-05, with host_overhead.py
-  # on three shapes and two groupings; about 400 s predicted with six shapes and three)
-  variants='[{"name": "base", "check": false},
-    {"name": "no_pdl", "dependent_launches": false, "check": false},
-    {"name": "state_bj32", "grads_cfg": {"STATE_BJ": 32}, "check": false},
-    {"name": "angle_1part", "angle_parts": 1, "check": false},
-    {"name": "tensors", "addresses": false, "check": false}'
+  # on three shapes and two groupings and four more ab.py variants, since decided: no PDL,
+  # STATE_BJ 32, the angle walk in one part, launches with tensors; performance-operator.md,
+  # item 6); the kernels' times of main, and one variant per patch
+  variants='[{"name": "base", "check": false}'
   for patch in ${MEASURE_PATCHES:-}; do
     variants="$variants, {\"name\": \"$(basename "$patch" .patch)\", \"patch\": \"$patch\",
       \"check\": false}"
   done
-  OUT="$M" AB_TARGET=operator timeout 360 "$PY" scripts/ab.py "$variants]" \
+  OUT="$M" AB_TARGET=operator timeout 300 "$PY" scripts/ab.py "$variants]" \
     "${MEASURE_SHAPES:-N16_P64_R4_C8,N128_P64_R4_C16,N128_P64_R1_C64}" 1 \
     > "$M/ab.log" 2>&1 || status=$?
   tail -30 "$M/ab.log"
   if command -v ncu > /dev/null; then
-    timeout 150 ncu --clock-control none -k regex:chunk_grads_qk --launch-skip 4 \
+    timeout 120 ncu --clock-control none -k regex:chunk_grads_qk --launch-skip 4 \
       --launch-count 1 --section WarpStateStats --section SpeedOfLight \
       --section SourceCounters "$PY" scripts/ncu_driver.py N128_P64_R4_C16 operator \
       > "$M/ncu_qk.log" 2>&1 || status=$?
