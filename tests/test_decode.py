@@ -119,6 +119,79 @@ def test_step_op_passes_opcheck():
     torch.library.opcheck(step_module._step_op, args)
 
 
+def test_step_allocates_nothing(monkeypatch):
+    """With the output buffer given, a step after the first creates no tensor storage: the
+    state is updated in place and every buffer it needs exists already (what lets a server
+    preallocate, and a CUDA graph replay it without its allocator). The measured step's
+    launches do nothing: the interpreter copies a kernel's arguments, a compiled kernel
+    allocates nothing, and what is counted is the host's work."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    from mamba3_mimo.runtime import launcher
+
+    class NewStorages(TorchDispatchMode):
+        def __init__(self, known):
+            super().__init__()
+            self.known, self.new = {x.untyped_storage().data_ptr() for x in known}, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in self.known:
+                    self.new.append(str(func))
+            return out
+
+    a = _fp32(make_args(B=2, S=4, H=4, G=2, R=3, N=12, P=10, chunk_size=4, seed=107))
+    first = mamba3_mimo(**_steps(a, 0, 2), return_state=True)
+    state = tuple(x.clone() for x in first[1:])
+    out = torch.empty_like(first[0][:, 0])
+    mamba3_mimo_step(**step_arguments(a, 2), state=state, out=out)  # the first: compiles
+    t = step_arguments(a, 3)
+    known = [x for x in (*t.values(), *state, out) if isinstance(x, torch.Tensor)]
+    for cls in (JITFunction, InterpretedFunction):
+        monkeypatch.setattr(cls, "run", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(launcher, "DIRECT", False)  # every launch through run
+    with NewStorages(known) as mode:
+        mamba3_mimo_step(**t, state=state, out=out)
+    assert not mode.new, mode.new
+
+
+@requires_gpu
+def test_decode_in_a_cuda_graph():
+    """Three steps of N64_P64_R4_C16 (bf16, B = 16) captured in one CUDA graph, as a server
+    replays them, and replayed from the prefill's state: the eager steps' outputs and final
+    state, bit for bit."""
+    from mamba3_mimo.inputs import operator_inputs
+    from mamba3_mimo.problem import Shape
+    S, T = 32, 3
+    bf = operator_inputs(Shape(16, S + T, 16, 1, 64, 64, 4, 16), torch.bfloat16, device=DEVICE,
+                         seed=122)
+    first = mamba3_mimo(**_steps(bf, 0, S), return_state=True)
+    steps = [step_arguments(bf, t) for t in range(S, S + T)]
+
+    def run(state, outs):
+        for t, o in zip(steps, outs):
+            mamba3_mimo_step(**t, state=state, out=o)
+
+    eager_state = tuple(x.clone() for x in first[1:])
+    eager = [torch.empty_like(first[0][:, 0]) for _ in range(T)]
+    run(eager_state, eager)
+    state = tuple(x.clone() for x in first[1:])
+    outs = [torch.empty_like(first[0][:, 0]) for _ in range(T)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # recorded, not run: the state is still the prefill's after
+        run(state, outs)
+    for x in outs:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, eager):
+        assert torch.equal(got, want)
+    for name, got, want in zip(("angle", "state", "k", "v"), state, eager_state):
+        assert torch.equal(got, want), name
+
+
 def test_bad_state():
     a = _fp32(make_args(B=1, S=3, H=2, G=1, R=2, N=8, P=6, chunk_size=4, seed=104))
     _, angle, state, k, v = mamba3_mimo(**a, return_state=True)
