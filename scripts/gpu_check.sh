@@ -23,7 +23,8 @@
 # comes next", items 3 and 6): scripts/host_overhead.py on six shapes (the backward's groups of
 # one entry, two and the whole batch: times and peaks), scripts/ab.py
 # (AB_TARGET=operator, one round, MEASURE_SHAPES) over its variants, and ncu's stall reasons of
-# chunk_grads_qk where ncu is found, into $OUT/measure/ (host_overhead.json, ab.json, *.log).
+# chunk_grads_qk where ncu is found (with its per-instruction counters, qk_source.csv), into
+# $OUT/measure/ (host_overhead.json, ab.json, *.log).
 # MEASURE_PATCHES: patch files (git apply, from the repository root), each one more ab.py
 # variant named after its file, e.g. a commit reverted: git diff C C~1 -- mamba3_mimo > x.patch.
 # Writes at most 7 files: $OUT/env.txt, tests.log, demo.log, bench.log and
@@ -112,11 +113,20 @@ if [ "$part" = measure ]; then
     > "$M/ab.log" 2>&1 || status=$?
   tail -30 "$M/ab.log"
   if command -v ncu > /dev/null; then
-    timeout 120 ncu --clock-control none -k regex:chunk_grads_qk --launch-skip 4 \
+    # one report: the summary into ncu_qk.log, and per instruction (with its source line where
+    # the kernel carries line information, as Triton's do by default) into qk_source.csv:
+    # stall samples and shared-memory wavefronts, excess ones (bank conflicts) among them
+    timeout 100 ncu --clock-control none -k regex:chunk_grads_qk --launch-skip 4 \
       --launch-count 1 --section WarpStateStats --section SpeedOfLight \
-      --section SourceCounters "$PY" scripts/ncu_driver.py N128_P64_R4_C16 operator \
-      > "$M/ncu_qk.log" 2>&1 || status=$?
-    grep -E "Stall|Warp Cycles|Duration|Issued" "$M/ncu_qk.log" | head -30
+      --section SourceCounters --section MemoryWorkloadAnalysis_Tables --import-source yes \
+      -o "$M/qk" "$PY" scripts/ncu_driver.py N128_P64_R4_C16 operator > "$M/ncu_qk.log" 2>&1 \
+      || status=$?
+    ncu -i "$M/qk.ncu-rep" >> "$M/ncu_qk.log" 2>&1
+    ncu -i "$M/qk.ncu-rep" --page source --csv --print-source cuda,sass > "$M/qk_source.csv" \
+      2>&1 || ncu -i "$M/qk.ncu-rep" --page source --csv --print-source sass \
+      > "$M/qk_source.csv" 2>&1
+    rm -f "$M/qk.ncu-rep"
+    grep -E "Stall|Warp Cycles|Duration|Issued|Bank" "$M/ncu_qk.log" | head -30
   fi
   exit "$status"
 fi
