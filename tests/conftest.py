@@ -13,10 +13,13 @@ from __future__ import annotations
 import functools
 import json
 import os
+import weakref
 import zlib
 from typing import Dict, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -184,6 +187,34 @@ def assert_outputs_equal(a, b, what: str = "") -> None:
             n = (x != y).sum().item()
             raise AssertionError(f"{what}{name}: {n} of {x.numel()} elements differ "
                                  f"(max |diff| {(x.double() - y.double()).abs().max().item():.3e})")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that the ops run under it create and that are still alive
+    (`current`), and their high-water mark (`peak`). Storages it has not seen created (the
+    inputs, given to `known`) are not counted when an op returns a view of them."""
+
+    def __init__(self, known=()):
+        super().__init__()
+        self.current = self.peak = 0
+        self._seen = {t.untyped_storage().data_ptr() for t in known}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size and key not in self._seen:
+                    self._seen.add(key)
+                    self.current += size
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._freed, key, size)
+        return out
+
+    def _freed(self, key, size):
+        self._seen.discard(key)
+        self.current -= size
 
 
 def record_launches(monkeypatch, forward: bool = True) -> list:

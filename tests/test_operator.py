@@ -4,14 +4,10 @@ input, on small odd shapes (GQA, R = 3, N = 12, P = 10, S not a multiple of chun
 divisor 2), with and without Z, D, MIMO_Out, the fused norm (weight given, None, flattened),
 in fp32, bf16 and fp16 (through the interpreter, the dots' operands are fp32 whatever the
 input dtype; the GPU runs them at the kernels' precision)."""
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from conftest import DEVICE, requires_gpu, seed_for
+from conftest import DEVICE, LiveBytes, requires_gpu, seed_for
 from test_reference_operator import INPUT_NAMES, make_args
 from mamba3_mimo import configs, mamba3_mimo
 from mamba3_mimo.inputs import Shape, official_shapes, operator_inputs
@@ -479,34 +475,6 @@ def test_sparse_input_is_refused():
         mamba3_mimo(**a)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages that the ops run under it create and that are still alive
-    (`current`), and their high-water mark (`peak`). Storages it has not seen created (the
-    inputs, given to `known`) are not counted when an op returns a view of them."""
-
-    def __init__(self, known=()):
-        super().__init__()
-        self.current = self.peak = 0
-        self._seen = {t.untyped_storage().data_ptr() for t in known}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-                if size and key not in self._seen:
-                    self._seen.add(key)
-                    self.current += size
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._freed, key, size)
-        return out
-
-    def _freed(self, key, size):
-        self._seen.discard(key)
-        self.current -= size
-
-
 def test_backward_peak_is_phase_2(monkeypatch):
     """The backward releases the states, their gradients and dy (the largest buffers) as soon
     as phase 2 is done: nothing it allocates afterwards (the reductions, the angles' backward,
@@ -538,7 +506,7 @@ def test_backward_peak_is_phase_2(monkeypatch):
     monkeypatch.setattr(operator, "_parameter_sums", spy)
     for group in (2, 1):
         after_phase_2.clear()
-        live = _LiveBytes(known=leaves)
+        live = LiveBytes(known=leaves)
         with configs.override(backward_group=group), live:
             out = mamba3_mimo(**ours)
             out.backward(torch.ones_like(out))
