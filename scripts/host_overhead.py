@@ -1,9 +1,11 @@
 """Host time per call of the operator against its GPU time: is a shape launch-bound?
 
 On a GPU, for each official shape (bf16 inputs, Z and D on, bf16 outputs):
-- host_us: wall time per call of enqueueing n calls back to back, without synchronising;
-- gpu_us: GPU time per call of the same n calls queued behind a GPU sleep, so that they run
-  back to back whatever the host does (warm L2, no flush between calls);
+- host_us: wall time per call of enqueueing n calls back to back behind a GPU sleep, so that
+  the GPU's progress cannot hold the host back (n small enough that the launch queue does not
+  fill: host_blocked says when it did, or when a call waited for the GPU);
+- gpu_us: GPU time per call of the same n calls, which run back to back once the sleep ends
+  whatever the host does (warm L2, no flush between calls);
 - bench_ms: triton.testing.do_bench's median, as the benchmark times it (L2 flushed before
   each call, host gaps included).
 When host_us approaches gpu_us plus do_bench's cache flush, do_bench measures the host.
@@ -83,28 +85,33 @@ def operator_on_gpu(shapes, n: int, z_gate: bool) -> list:
 
 
 def _on_gpu(s: Shape, f, n: int, name: str = "") -> dict:
-    """One shape's row on the GPU (named `name`, else the shape's)."""
+    """One shape's row on the GPU (named `name`, else the shape's). The n calls are enqueued
+    behind a GPU sleep, so the host's enqueueing (host_us) is timed while the GPU runs nothing
+    of them and cannot hold the host back, and the calls then run back to back (gpu_us). A
+    launch queue that fills, or a call that waits for the GPU, holds the host until the sleep
+    ends: host_blocked says so (the host time is then not the host's own)."""
     name = name or s.name
     from triton.testing import do_bench
     f()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f()
-    host_us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(2e9))  # about a second: every call below is queued before it ends
+    sleep_s = 1.0
+    torch.cuda._sleep(int(sleep_s * 2e9))  # about a second at the H100's and H200's clocks
+    t0 = time.perf_counter()
     start.record()
     for _ in range(n):
         f()
     end.record()
+    host_s = time.perf_counter() - t0
     torch.cuda.synchronize()
-    gpu_us = start.elapsed_time(end) / n * 1e3
+    host_us, gpu_us = host_s / n * 1e6, start.elapsed_time(end) / n * 1e3
+    blocked = host_s > 0.5 * sleep_s  # far more than any n calls' Python: held back
     bench_ms = do_bench(f, rep=100, return_mode="median")
     print(f"{name:18s} host {host_us:7.1f} us  gpu {gpu_us:7.1f} us  "
-          f"do_bench {bench_ms * 1e3:7.1f} us", flush=True)
-    return dict(shape=name, host_us=host_us, gpu_us=gpu_us, bench_ms=bench_ms)
+          f"do_bench {bench_ms * 1e3:7.1f} us" + ("  (host blocked)" if blocked else ""),
+          flush=True)
+    return dict(shape=name, host_us=host_us, gpu_us=gpu_us, bench_ms=bench_ms,
+                host_blocked=blocked)
 
 
 class _NoOpKernel:
@@ -172,7 +179,7 @@ def operator_on_cpu(shapes, n: int, z_gate: bool) -> list:
 
 def main() -> None:
     filt = sys.argv[1] if len(sys.argv) > 1 else ""
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     z_gate = (sys.argv[3] if len(sys.argv) > 3 else "z") == "z"
     mode = sys.argv[4] if len(sys.argv) > 4 else "auto"
     if mode not in ("auto", "split", "operator"):
