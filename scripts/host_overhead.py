@@ -25,7 +25,8 @@ B = 4 in groups of one entry and in one group.
 
 Usage: [OUT=dir] PYTHONPATH=. python3 scripts/host_overhead.py [shape filter] [n] [z|noz]
   [auto|split|operator]
-(filter: substrings of shape names, comma-separated.)
+(filter: substrings of shape names, comma-separated; n: calls per row, by default 8 on a GPU,
+few enough that their launches do not fill the launch queue, and 200 on a CPU.)
 (noz: without the Z gate; split: the split state pass where the rules would pick the fused
 scan, through configs.override.) Writes $OUT/host_overhead.json when OUT is set.
 """
@@ -179,7 +180,7 @@ def operator_on_cpu(shapes, n: int, z_gate: bool) -> list:
 
 def main() -> None:
     filt = sys.argv[1] if len(sys.argv) > 1 else ""
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else (8 if torch.cuda.is_available() else 200)
     z_gate = (sys.argv[3] if len(sys.argv) > 3 else "z") == "z"
     mode = sys.argv[4] if len(sys.argv) > 4 else "auto"
     if mode not in ("auto", "split", "operator"):
