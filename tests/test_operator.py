@@ -514,6 +514,39 @@ def test_backward_peak_is_phase_2(monkeypatch):
         assert live.peak <= after_phase_2[-1], (group, live.peak, after_phase_2[-1])
 
 
+def test_backward_group_bytes(monkeypatch):
+    """configs.set_backward_group_bytes: its budget decides the backward's groups (0: one entry
+    at a time; None: the default, which holds this small batch at once); three entries in groups
+    of one give the same outputs, bit for bit, and every gradient within fp32 rounding of the
+    whole batch's at once (only the parameters' sums over the entries change order); a budget
+    that is not a non-negative int is refused."""
+    from mamba3_mimo.phases import operator
+    sizes = []
+    group_grads = operator._group_grads
+    monkeypatch.setattr(operator, "_group_grads",
+                        lambda pb, *a, **k: sizes.append(pb.B) or group_grads(pb, *a, **k))
+    args = make_args(B=3, S=12, H=2, G=1, R=2, N=8, P=8, chunk_size=4, seed=141)
+    runs = {}
+    try:
+        for budget, want in ((0, [1, 1, 1]), (None, [3])):
+            configs.set_backward_group_bytes(budget)
+            sizes.clear()
+            ours, _ = _leaves(args, torch.float32, DEVICE, None)
+            runs[budget] = _run(mamba3_mimo, ours, None, {})
+            assert sizes == want, budget
+    finally:
+        configs.set_backward_group_bytes(None)
+    (out_one, grads_one), (out_all, grads_all) = runs[0], runs[None]
+    for name in OUT_NAMES:
+        assert torch.equal(out_one[name], out_all[name]), name
+    assert set(grads_one) == set(grads_all)
+    for name, g in grads_all.items():
+        assert rel_rms(grads_one[name], g) <= 1e-6, name
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="n_bytes must be a non-negative int"):
+            configs.set_backward_group_bytes(bad)
+
+
 def _spy_states(monkeypatch) -> list:
     """(grad, the states' dtype, whether the chains run in segments) of every output-stage launch
     the operator builds from here on."""
