@@ -390,28 +390,28 @@ def output_candidates(pb: Problem) -> List[OutputConfig]:
 
 # The operator's backward holds, for each batch entry it works on, fp32 buffers that grow with
 # the sequence: the states entering each chunk and their gradients (128 MiB per entry at
-# N128_P64_R4_C16), and dy = d raw_y where chunk_forward writes it. It runs the entries in
-# groups whose buffers take at most this many bytes (one entry at a time where one entry's take
-# more), on buffers of one group's size that every group reuses; the official grid runs one
-# entry at a time (docs/performance-operator.md, "Peak memory").
+# N128_P64_R4_C16), and dy = d raw_y where chunk_forward writes it. By default it runs the
+# entries in groups whose buffers take at most this many bytes (one entry at a time where one
+# entry's take more), on buffers of one group's size that every group reuses: the official grid
+# runs one entry at a time, for a peak below upstream's (docs/performance-operator.md, "Peak
+# memory"); set_backward_group_bytes changes the budget.
 BACKWARD_GROUP_BYTES = 32 << 20
 _group_bytes = BACKWARD_GROUP_BYTES
 
 
 def set_backward_group_bytes(n_bytes: Optional[int]) -> None:
-    """Let the operator's backward hold up to n_bytes in its per-group buffers (the fp32 states
-    entering each chunk, their gradients and dy, per batch entry); None restores the default,
-    BACKWARD_GROUP_BYTES. Larger groups trade peak memory for speed: each group repeats the
-    preparation and the walks' launches over fewer entries (at B = 4 on an H100, groups of two
-    took 0.78-0.97x the time of groups of one on six official shapes, the whole batch at once
-    0.61-0.94x, for 27-159 MiB more per extra entry; docs/performance-operator.md). A setting
-    for the whole process, read at each backward; the results equal those of any grouping to
-    fp32 rounding (the parameters' gradients are summed in another order)."""
+    """Let the operator's backward hold up to n_bytes in its per-group buffers; None restores
+    the default, BACKWARD_GROUP_BYTES. Larger groups trade peak memory for speed (fewer launches,
+    fuller kernels; measured in docs/operator.md, "Gradients"). A setting for the whole process,
+    read at each backward; every grouping gives the same results to fp32 rounding (the
+    parameters' gradients are summed over the entries in another order)."""
     global _group_bytes
     if n_bytes is None:
         n_bytes = BACKWARD_GROUP_BYTES
-    if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 0:
-        raise ValueError(f"n_bytes must be a non-negative int or None, got {n_bytes!r}")
+    if isinstance(n_bytes, bool) or not isinstance(n_bytes, int):
+        raise TypeError(f"n_bytes must be an int or None, got {type(n_bytes).__name__}")
+    if n_bytes < 0:
+        raise ValueError(f"n_bytes must be non-negative, got {n_bytes}")
     _group_bytes = n_bytes
 
 

@@ -519,7 +519,7 @@ def test_backward_group_bytes(monkeypatch):
     at a time; None: the default, which holds this small batch at once); three entries in groups
     of one give the same outputs, bit for bit, and every gradient within fp32 rounding of the
     whole batch's at once (only the parameters' sums over the entries change order); a budget
-    that is not a non-negative int is refused."""
+    that is not an int (TypeError) or is negative (ValueError) is refused."""
     from mamba3_mimo.phases import operator
     sizes = []
     group_grads = operator._group_grads
@@ -542,8 +542,10 @@ def test_backward_group_bytes(monkeypatch):
     assert set(grads_one) == set(grads_all)
     for name, g in grads_all.items():
         assert rel_rms(grads_one[name], g) <= 1e-6, name
-    for bad in (-1, 1.5, True, "1"):
-        with pytest.raises(ValueError, match="n_bytes must be a non-negative int"):
+    with pytest.raises(ValueError, match="n_bytes must be non-negative"):
+        configs.set_backward_group_bytes(-1)
+    for bad in (1.5, True, "1"):
+        with pytest.raises(TypeError, match="n_bytes must be an int or None"):
             configs.set_backward_group_bytes(bad)
 
 
