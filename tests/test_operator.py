@@ -72,7 +72,10 @@ def _run(fn, args, w, op_kw, seed=5, like=None, return_state=True, **extra):
                for o, dt in zip(outs, dtypes)]
     loss = sum((o.double() * wt.to(o.device)).sum() for o, wt in zip(outs, weights))
     loss.backward()
-    grads = {k: args[k].grad for k in INPUT_NAMES if isinstance(args[k], torch.Tensor)}
+    # a non-leaf input (e.g. angles expanded over the heads) has no .grad of its own: None, as
+    # reading it would give, without PyTorch's warning
+    grads = {k: args[k].grad if args[k].is_leaf else None
+             for k in INPUT_NAMES if isinstance(args[k], torch.Tensor)}
     if w is not None:
         grads["outproj_norm_weight"] = w.grad
     return dict(zip(OUT_NAMES, [o.detach() for o in outs])), grads
