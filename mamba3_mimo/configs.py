@@ -23,7 +23,7 @@ import torch
 from .kernels import next_pow2
 from .problem import Problem, Shape
 from .runtime.device import clear_cache as clear_device_cache
-from .runtime.device import compute_capability, interpreter_active, sm_count
+from .runtime.device import compute_capability, interpreter_active
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,8 @@ class Overrides:
     scan's dot form, whether the device counts as one the configs were measured on, the
     shared memory per block assumed of every device, whether the kernels launch as
     programmatic dependent launches (on where the device lacks them, a launch fails: for offline
-    compiles and A/B runs), the batch entries per group of the operator's backward, the
-    parts of each row's walk in the angles' running sum (preprocess.PARTS), and the
-    multiprocessors that grid rules count on the device (`multiprocessors`)."""
+    compiles and A/B runs), the batch entries per group of the operator's backward, and the
+    parts of each row's walk in the angles' running sum (preprocess.PARTS)."""
     state: Optional[Tuple[StateConfig, ...]] = None
     output: Optional[Tuple[OutputConfig, ...]] = None
     tile_chunks: Optional[int] = None
@@ -103,7 +102,6 @@ class Overrides:
     dependent_launches: Optional[bool] = None
     backward_group: Optional[int] = None
     angle_parts: Optional[int] = None
-    multiprocessors: Optional[int] = None
 
 
 _active = Overrides()
@@ -364,15 +362,6 @@ def measured_arch(device: torch.device) -> bool:
     if _active.measured_arch is not None:
         return _active.measured_arch
     return device.type != "cuda" or compute_capability(device)[0] in MEASURED_MAJORS
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The streaming multiprocessors that a rule filling the GPU counts on: the device's (132 on
-    the H200); 0 on the interpreter's CPU, where no grid leaves anything idle (tests pass a count
-    through `override` to run the rules' other branch)."""
-    if _active.multiprocessors is not None:
-        return _active.multiprocessors
-    return 0 if device.type != "cuda" else sm_count(device)
 
 
 def output_candidates(pb: Problem) -> List[OutputConfig]:

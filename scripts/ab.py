@@ -27,8 +27,7 @@ VARIANTS_JSON: a list of objects with a "name" and any of
   "measured_arch" (bool), "smem_limit" (bytes), "dependent_launches" (bool: false times the
   kernels without programmatic dependent launches), "backward_group" (int: the operator's
   backward in groups of that many batch entries), "angle_parts" (int: the parts of each row's
-  walk in the angles' running sum, 1 for one walk), "multiprocessors" (int: the count the grid
-  rules fill, 0 for grids as the blocks give them);
+  walk in the angles' running sum, 1 for one walk);
 - "grads_cfg": entries that replace those of phase 2's blocks (kernels.chunk_grads.config, a
   GradsConfig) for every problem, e.g. {"BJ": 32, "QK_WARPS": 8} (AB_TARGET=operator);
 - "direct": false sends every production launch through Triton's JITFunction.run instead of
@@ -59,7 +58,7 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # the fields of configs.override taken as they are, and those built from config fields
 SCALAR_RULES = ("tile_chunks", "scan_sync", "measured_arch", "smem_limit", "dependent_launches",
-                "backward_group", "angle_parts", "multiprocessors")
+                "backward_group", "angle_parts")
 LIST_RULES = ("state", "output")
 KEYS = ({"name", "direct", "addresses", "check", "patch", "grads_cfg"} | set(SCALAR_RULES)
         | set(LIST_RULES) | {f"{k}_{s}" for k in LIST_RULES for s in ("cfg", "min")})

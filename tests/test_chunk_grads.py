@@ -146,6 +146,21 @@ def test_blocks(monkeypatch, pairs, N, divisor):
                             seed=5)
 
 
+def test_blocks_do_not_depend_on_batch_or_length():
+    """Phase 2's blocks (constexpr tile shapes) are a function of the model alone: calls that
+    differ in B and S get the same blocks, so that a new B or S compiles nothing
+    (test_operator.py::test_new_batch_or_length_never_recompiles checks the whole operator on a
+    GPU)."""
+    def blocks(B, S):
+        pb = Problem(B=B, S=S, H=16, G=1, N=128, P=64, R=1, C=64, rotary_dim_divisor=2,
+                     dtype=torch.bfloat16, has_z=True, has_d=True,
+                     output_dtype=torch.bfloat16, device=torch.device(DEVICE))
+        return chunk_grads._blocks(configs.constants(pb), pb.device)
+    want = blocks(1, 64)
+    for B, S in ((1, 2048), (4, 2048), (3, 100_000)):
+        assert blocks(B, S) == want, (B, S)
+
+
 @pytest.mark.parametrize("z_gate", [True, False], ids=["z", "no_z"])
 def test_dy_recomputed_from_dout(z_gate):
     """dy recomputed from dout and z where phase 2 reads it (the operator's path after

@@ -272,34 +272,6 @@ def test_operator_in_several_blocks(monkeypatch, op_kw, make_kw):
         _against_reference(ours, w32, op_kw, THRESHOLDS[torch.float32])
 
 
-def test_narrow_pair_blocks_fill_the_gpu(monkeypatch):
-    """chunk_grads_qk's pair blocks are halved, down to 16 pairs, while its grid would fill at
-    most half of the multiprocessors (chunk_grads._filling); the narrowed blocks give every
-    output and gradient against the float64 reference (N = 64: one block of 32 pairs as the
-    rules clamp it, two of 16 here, with two groups of heads)."""
-    from mamba3_mimo.kernels import chunk_grads
-    cfg = chunk_grads.GradsConfig(BJ=32)
-    assert chunk_grads._filling(cfg, 2, 128, 32, 132) == (chunk_grads.GradsConfig(BJ=16), 4)
-    assert chunk_grads._filling(cfg, 2, 128, 64, 132) == (cfg, 2)  # 128 programs: kept
-    assert chunk_grads._filling(cfg, 1, 64, 1, 0) == (cfg, 1)  # the interpreter's count
-    assert chunk_grads._filling(chunk_grads.GradsConfig(BJ=64), 1, 128, 8, 132) == (
-        chunk_grads.GradsConfig(BJ=16), 4)
-    widths = []
-    launches = chunk_grads.launches
-
-    def spy(**kw):
-        out = launches(**kw)
-        widths.extend([x.kwargs["BJ"] for x in out if x.fn is chunk_grads.chunk_grads_qk_kernel])
-        return out
-
-    monkeypatch.setattr(chunk_grads, "launches", spy)
-    args = make_args(B=1, S=10, H=4, G=2, R=2, N=64, P=16, chunk_size=4, seed=23)
-    ours, _ = _leaves(args, torch.float32, DEVICE, None)
-    with configs.override(multiprocessors=10 ** 6):
-        _against_reference(ours, None, {}, THRESHOLDS[torch.float32])
-    assert widths and set(widths) == {16}, widths
-
-
 @pytest.mark.parametrize("case", ["z_d_gqa", "noz_nod"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
                          ids=lambda d: str(d).split(".")[-1])

@@ -21,7 +21,6 @@ Each chunk kernel holds the chunk's (step, rank) rows (row = t * RP + r, as in c
 one pair block or one P block of the rest at a time; splitting the gradients this way keeps the
 largest live tiles to about three [rows, rows] or [rows, block] fp32 tiles per program.
 """
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Tuple
@@ -518,28 +517,9 @@ def raw_y_grads(*, q, k, v, q_bias, k_bias, mimo_v, d, terms, cos, sin, da_cs, d
 
 
 def _blocks(consts, device, gated: bool = False) -> Tuple[GradsConfig, int]:
-    """(the config with its blocks clamped to N and P, every dot dimension at least 16, and
-    chunk_grads_qk's pair blocks narrowed where its grid would leave the GPU half idle
-    (_filling); the count of those pair blocks, which `gated` does not change)."""
-    cfg, n_jb = _clamped(consts.N, consts.P, configs.measured_arch(device), gated)
-    return _filling(cfg, n_jb, consts.N, consts.B * consts.G * consts.nc,
-                    configs.multiprocessors(device))
-
-
-# chunk_grads_qk runs one program per multiprocessor (255 registers at 8 warps), n_jb programs per
-# (b*g, chunk): where they would fill at most half the multiprocessors, pair blocks half as wide
-# double them (each head's dP = dY PsiV^T is then computed in twice as many programs). Measured on
-# the H200 (2026-12-05, kernels' time per forward+backward, scripts/ab.py): 32 -> 16 pairs at
-# N128_P64_R1_C64 (64 -> 128 programs in a group of one batch entry) 0.87x; at N128_P64_R2_C32 and
-# N64_P64_R4_C16 (128 -> 256 programs, two waves of half the work) 1.17x and 1.10x.
-def _filling(cfg: GradsConfig, n_jb: int, N: int, per_block: int,
-             multiprocessors: int) -> Tuple[GradsConfig, int]:
-    """(cfg, n_jb) with chunk_grads_qk's BJ halved, down to 16, while its grid of n_jb *
-    per_block programs fills at most half of the multiprocessors."""
-    while cfg.BJ > 16 and 2 * n_jb * per_block <= multiprocessors:
-        cfg = dataclasses.replace(cfg, BJ=cfg.BJ // 2)
-        n_jb = cdiv(N // 2, cfg.BJ)
-    return cfg, n_jb
+    """(the config with its blocks clamped to N and P, every dot dimension at least 16; the
+    count of chunk_grads_qk's pair blocks, which `gated` does not change)."""
+    return _clamped(consts.N, consts.P, configs.measured_arch(device), gated)
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,10 +8,8 @@ from typing import ContextManager, Dict, Tuple
 
 import torch
 
-# compute capability and multiprocessors per CUDA device: the queries cost the host
-# microseconds per call
+# compute capability per CUDA device: the query costs the host microseconds per call
 _capability: Dict[torch.device, Tuple[int, int]] = {}
-_sm_count: Dict[torch.device, int] = {}
 
 
 def interpreter_active() -> bool:
@@ -27,14 +25,6 @@ def compute_capability(device: torch.device) -> Tuple[int, int]:
     if cc is None:
         cc = _capability[device] = torch.cuda.get_device_capability(device)
     return cc
-
-
-def sm_count(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA device, cached."""
-    n = _sm_count.get(device)
-    if n is None:
-        n = _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
 
 
 def check_device(device: torch.device) -> None:
@@ -70,6 +60,5 @@ def on_device(device: torch.device) -> ContextManager:
 
 
 def clear_cache() -> None:
-    """Forget the devices' capabilities and multiprocessors (tests that pretend another GPU)."""
+    """Forget the devices' capabilities (tests that pretend another GPU)."""
     _capability.clear()
-    _sm_count.clear()
